@@ -1,0 +1,142 @@
+"""`get_sandbox`: pick the best tier that works here; `diagnose`: say which and why."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from .base import IsolationUnavailableError, Limits, Sandbox, SandboxError
+from .pool import SandboxPool
+
+BACKENDS = ("auto", "bwrap", "rlimit", "docker")
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """Whether one tier works on this machine, and the reason in one line."""
+
+    tier: str
+    available: bool
+    isolated: bool
+    reason: str
+
+
+def _userns_hints() -> list[str]:
+    hints = []
+    for path, bad in (
+        ("/proc/sys/kernel/unprivileged_userns_clone", "0"),
+        ("/proc/sys/user/max_user_namespaces", "0"),
+        ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1"),
+    ):
+        try:
+            with open(path) as f:
+                if f.read().strip() == bad:
+                    hints.append(f"{path} = {bad}")
+        except OSError:
+            pass
+    return hints
+
+
+@functools.lru_cache(maxsize=8)
+def probe_bwrap(python: str | None = None) -> TierStatus:
+    """Run a real program in a real bwrap sandbox (once per process, ~20 ms)."""
+    from .bwrap import BwrapSandbox
+
+    if not shutil.which("bwrap"):
+        return TierStatus("bwrap", False, True, "bwrap is not installed (apt-get install bubblewrap)")
+    try:
+        sb = BwrapSandbox(python=python)
+        r = sb.run("print(6 * 7)", limits=Limits(timeout_s=20))
+    except SandboxError as e:
+        return TierStatus("bwrap", False, True, str(e))
+    if r.stdout.strip() == "42" and r.exit_code == 0:
+        who = ("unprivileged host uid 65534" if sb.unprivileged_host_uid
+               else f"host uid {os.geteuid()}" + (" (root without capabilities; /proc read-only)"
+                                                  if os.geteuid() == 0 else ""))
+        return TierStatus("bwrap", True, True, f"user namespaces work; sandbox runs as {who}")
+    why = (r.stderr.strip().splitlines() or [f"exit {r.exit_code}"])[-1]
+    hints = _userns_hints()
+    if hints:
+        why += f" [{'; '.join(hints)}]"
+    return TierStatus("bwrap", False, True, f"bwrap cannot create namespaces here: {why}")
+
+
+def diagnose(docker: bool = True) -> list[TierStatus]:
+    """Status of every tier, best first. Used by ``actloop sandbox doctor``."""
+    from .docker import docker_available
+
+    out = [probe_bwrap()]
+    if docker:
+        ok, why = docker_available()
+        out.append(TierStatus("docker", ok, True, why))
+    root = os.geteuid() == 0
+    detail = ("throw-away uid per run (host is root)" if root and shutil.which("setpriv")
+              else "runs as your own uid: it can read your files and signal your processes")
+    out.append(TierStatus("rlimit", True, False, f"always available, NO isolation; {detail}"))
+    return out
+
+
+def get_sandbox(
+    backend: str = "auto",
+    *,
+    require_isolation: bool = False,
+    limits: Limits | None = None,
+    pool_size: int | None = None,
+    **kwargs: Any,
+) -> Sandbox:
+    """The sandbox to use.
+
+    Args:
+        backend: ``"auto"`` (bwrap if it works here, else the rlimit fallback with a loud
+            warning), ``"bwrap"``, ``"rlimit"`` or ``"docker"`` (never chosen by auto: it
+            needs a daemon and an image, and costs ~0.5 s per run).
+        require_isolation: refuse to return a tier without namespace isolation: raises
+            `IsolationUnavailableError` instead of falling back. Set it for any run whose
+            code you would not execute in your own shell.
+        limits: default `Limits` of the sandbox.
+        pool_size: if set, wrap the sandbox in a `SandboxPool` of that many slots.
+        **kwargs: passed to the backend (`python`, `python_path`, `image`, ...).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sandbox backend {backend!r}; choose from {BACKENDS}")
+    sb: Sandbox
+    if backend == "auto":
+        status = probe_bwrap(kwargs.get("python"))
+        if status.available:
+            from .bwrap import BwrapSandbox
+
+            sb = BwrapSandbox(limits, **kwargs)
+        elif require_isolation:
+            raise IsolationUnavailableError(
+                f"require_isolation=True but no isolating sandbox works here: {status.reason}. "
+                "Install bubblewrap and allow unprivileged user namespaces, or use backend='docker'."
+            )
+        else:
+            from .rlimit import RlimitSandbox, warn_once
+
+            warn_once(status.reason)
+            sb = RlimitSandbox(limits, warn=False, **kwargs)
+    elif backend == "bwrap":
+        from .bwrap import BwrapSandbox
+
+        status = probe_bwrap(kwargs.get("python"))
+        if not status.available:
+            raise SandboxError(f"bwrap backend unavailable: {status.reason}")
+        sb = BwrapSandbox(limits, **kwargs)
+    elif backend == "rlimit":
+        if require_isolation:
+            raise IsolationUnavailableError(
+                "require_isolation=True refuses backend='rlimit': it runs code without namespace "
+                "isolation (network, host files and processes are reachable)."
+            )
+        from .rlimit import RlimitSandbox
+
+        sb = RlimitSandbox(limits, **kwargs)
+    else:
+        from .docker import DockerSandbox
+
+        sb = DockerSandbox(limits, **kwargs)
+    return SandboxPool(sb, pool_size) if pool_size else sb
