@@ -1,0 +1,164 @@
+"""Core data types shared by every package: messages, tool calls, turns, trajectories, groups.
+
+All are frozen dataclasses (or plain lists of them) so that a trajectory recorded during a
+rollout cannot be mutated behind the trainer's back. Token-level fields are plain Python lists;
+the trainer turns them into tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call parsed from an assistant message.
+
+    `arguments` is the decoded JSON object. `raw` is the exact text between the tags.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    raw: str = ""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message. `tool_calls` is filled by the renderer's parser for assistant messages;
+    `name` names the tool for a `tool` message."""
+
+    role: Role
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn and what the environment answered.
+
+    token_ids / logprobs: what the engine sampled, exactly ([T_turn]); these are trained on.
+    env_ids: tokens the renderer appended after this turn (closing tags, tool results, the next
+        generation prompt) — masked from the loss ([E_turn]).
+    """
+
+    message: Message
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: Literal["stop", "length", "tool_call"]
+    env_messages: tuple[Message, ...] = ()
+    env_ids: tuple[int, ...] = ()
+    malformed_tool_call: bool = False
+    reward: float | None = None  # per-turn reward from the environment, when it gives one
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A whole episode, tokens in and tokens out.
+
+    input_ids = prompt_ids + for each turn (turn.token_ids + turn.env_ids)      [L]
+    loss_mask = 0 on prompt and env tokens, 1 on sampled tokens                  [L]
+    logprobs  = engine log-probs on sampled tokens, 0.0 elsewhere                [L]
+    """
+
+    prompt_messages: tuple[Message, ...]
+    prompt_ids: tuple[int, ...]
+    turns: tuple[Turn, ...]
+    row: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # a failed rollout is recorded and masked, never raised
+
+    @property
+    def input_ids(self) -> list[int]:
+        ids = list(self.prompt_ids)
+        for t in self.turns:
+            ids += t.token_ids
+            ids += t.env_ids
+        return ids
+
+    @property
+    def loss_mask(self) -> list[int]:
+        m = [0] * len(self.prompt_ids)
+        for t in self.turns:
+            m += [1] * len(t.token_ids)
+            m += [0] * len(t.env_ids)
+        return m
+
+    @property
+    def logprobs(self) -> list[float]:
+        lp = [0.0] * len(self.prompt_ids)
+        for t in self.turns:
+            lp += list(t.logprobs)
+            lp += [0.0] * len(t.env_ids)
+        return lp
+
+    @property
+    def messages(self) -> list[Message]:
+        out = list(self.prompt_messages)
+        for t in self.turns:
+            out.append(t.message)
+            out += t.env_messages
+        return out
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant message's text ('' when the episode has no turn)."""
+        return self.turns[-1].message.content if self.turns else ""
+
+    @property
+    def transcript(self) -> str:
+        """Every message after the prompt, as 'role: content' lines."""
+        return "\n".join(f"{m.role}: {m.content}" for m in self.messages[len(self.prompt_messages):])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(t.token_ids) for t in self.turns)
+
+    @property
+    def num_env_tokens(self) -> int:
+        return sum(len(t.env_ids) for t in self.turns)
+
+    @property
+    def num_tool_calls(self) -> int:
+        return sum(len(t.message.tool_calls) for t in self.turns)
+
+    @property
+    def num_malformed_calls(self) -> int:
+        return sum(t.malformed_tool_call for t in self.turns)
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.turns) and self.turns[-1].finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A trajectory with its reward: the total, each named component, and flags with evidence."""
+
+    trajectory: Trajectory
+    reward: float
+    components: dict[str, float]
+    flags: tuple[str, ...] = ()
+    success: bool = False
+    masked: bool = False  # excluded from the loss (failed rollout, failed grader)
+
+
+@dataclass(frozen=True)
+class Group:
+    """G scored trajectories sampled from the same prompt (the unit of GRPO's baseline)."""
+
+    prompt_index: int
+    members: tuple[Scored, ...]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.members]
