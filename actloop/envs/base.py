@@ -1,0 +1,40 @@
+"""The environment protocol. Environments speak messages; they never see token ids.
+
+    env = make_env()
+    messages, tools = env.reset(row)          # opening conversation + tool schemas
+    result = env.step(assistant_message)      # -> StepResult(messages, done, info, reward)
+
+`assistant_message.tool_calls` has already been parsed by the renderer. A malformed tool call
+never reaches `step`: the rollout loop answers it with an error message and counts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from actloop.types import Message
+
+
+@dataclass(frozen=True)
+class StepResult:
+    messages: list[Message]  # what the environment says next (tool results, feedback)
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None  # optional per-turn reward (turn-level credit)
+
+
+class Env(Protocol):
+    def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]: ...
+
+    def step(self, message: Message) -> StepResult: ...
+
+
+class ChatEnv:
+    """Single-turn environment for custom data: the row's chat-format `prompt`, one answer."""
+
+    def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
+        return [Message(m["role"], m["content"]) for m in row["prompt"]], []
+
+    def step(self, message: Message) -> StepResult:
+        return StepResult(messages=[], done=True)

@@ -1,0 +1,209 @@
+"""The calculator environment: the model calls a calculator tool, reads the result, answers.
+
+Problems are multi-step word problems with 2-3 digit numbers that a 135M model cannot multiply
+in its head, generated from templates under a seed. The prompt shows one worked example as
+earlier chat turns (small models follow a tool format only when shown it, not when told).
+
+Reward (see `actloop.rewards.calculator`): 1.0 when the last number of the final answer equals
+the target.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import random
+import re
+from typing import Any
+
+from actloop.envs.base import StepResult
+from actloop.types import Message
+
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 23 * 17 + 4"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+SYSTEM = (
+    "You are a careful assistant with a calculator tool. For any arithmetic, call the tool as "
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> and wait '
+    "for its result. Then reply with the final answer as: The answer is N."
+)
+
+
+def _call(expr: str) -> str:
+    return json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+
+
+def _example(question: str, expression: str) -> list[Message]:
+    result = safe_eval(expression)
+    return [
+        Message("user", question),
+        Message("assistant", f"<tool_call>{_call(expression)}</tool_call>"),
+        Message("tool", str(result), name="calculator"),
+        Message("assistant", f"The answer is {result}."),
+    ]
+
+
+def examples() -> list[Message]:
+    """Three worked examples, shown as earlier chat turns. Measured on the embedded model, 48
+    held-out problems, greedy: 1 example 0% success (it never calls the tool), 2 examples 23%,
+    3 examples 44% with a tool call in every episode."""
+    return (
+        _example("A baker makes 14 trays of 36 muffins and sells 97 of them. How many muffins are left?", "14 * 36 - 97")
+        + _example("What is 58 times 23, plus 311?", "58 * 23 + 311")
+        + _example("A bus has 27 rows of 4 seats and 9 extra seats. How many seats are there?", "27 * 4 + 9")
+    )
+
+
+# (question template, expression template). Numbers a, b, c are drawn per problem.
+TEMPLATES = [
+    ("A farmer plants {a} rows of {b} trees and then {c} more trees. How many trees are there?", "{a} * {b} + {c}"),
+    ("A school buys {a} boxes of {b} pencils and gives away {c} pencils. How many pencils are left?", "{a} * {b} - {c}"),
+    ("A theatre has {a} rows of {b} seats. {c} seats are broken. How many seats can be used?", "{a} * {b} - {c}"),
+    ("A shop sells {a} packs of {b} stickers on Monday and {c} single stickers on Tuesday. How many stickers did it sell?", "{a} * {b} + {c}"),
+    ("Each crate holds {b} bottles. A truck carries {a} crates and {c} loose bottles. How many bottles does it carry?", "{a} * {b} + {c}"),
+    ("A library has {a} shelves with {b} books each. It lends out {c} books. How many books are still on the shelves?", "{a} * {b} - {c}"),
+    ("Tickets cost {b} dollars each. A club buys {a} tickets and gets a {c} dollar discount. How many dollars does it pay?", "{a} * {b} - {c}"),
+    ("A worker earns {b} dollars a day for {a} days and a bonus of {c} dollars. How many dollars does the worker earn?", "{a} * {b} + {c}"),
+    ("A factory makes {a} toys an hour for {b} hours, plus {c} toys on a night shift. How many toys does it make?", "{a} * {b} + {c}"),
+    ("What is {a} times {b}, plus {c}?", "{a} * {b} + {c}"),
+    ("What is {a} times {b}, minus {c}?", "{a} * {b} - {c}"),
+    ("A garden has {a} beds of {b} flowers and {c} flowers in pots. How many flowers are there in all?", "{a} * {b} + {c}"),
+]
+
+
+def make_problem(rng: random.Random) -> dict[str, Any]:
+    q, e = rng.choice(TEMPLATES)
+    a, b = rng.randint(12, 99), rng.randint(12, 99)
+    c = rng.randint(11, min(999, a * b // 2))  # keeps a - c result well above zero
+    expr = e.format(a=a, b=b, c=c)
+    return {"question": q.format(a=a, b=b, c=c), "answer": safe_eval(expr), "expression": expr}
+
+
+def make_splits(train_size: int, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Disjoint train and held-out problems: no held-out question appears in training."""
+    held_rng, train_rng = random.Random(f"calc-eval-{seed}"), random.Random(f"calc-train-{seed}")
+    held: dict[str, dict] = {}
+    while len(held) < eval_size:
+        p = make_problem(held_rng)
+        held.setdefault(p["question"], p)
+    train: dict[str, dict] = {}
+    while len(train) < train_size:
+        p = make_problem(train_rng)
+        if p["question"] not in held:
+            train.setdefault(p["question"], p)
+    return list(train.values()), list(held.values())
+
+
+# ----------------------------------------------------------------------------------- evaluator
+
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class CalcError(ValueError):
+    pass
+
+
+def safe_eval(expr: str, max_len: int = 200) -> int | float:
+    """Evaluate arithmetic by walking the AST — numbers and operators only, no names, no calls,
+    no attribute access, bounded exponents — so model-written input can never run code."""
+    if len(expr) > max_len:
+        raise CalcError(f"expression longer than {max_len} characters")
+    try:
+        tree = ast.parse(expr.replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+    except SyntaxError:
+        raise CalcError(f"cannot parse expression {expr!r}") from None
+
+    def ev(node: ast.AST) -> int | float:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
+                raise CalcError("exponent too large")
+            try:
+                return _BINOPS[type(node.op)](left, right)
+            except ZeroDivisionError:
+                raise CalcError("division by zero") from None
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](ev(node.operand))
+        raise CalcError(f"unsupported element {type(node).__name__} in expression")
+
+    value = ev(tree)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CalcError("result is not finite")
+        if value.is_integer():
+            return int(value)
+        return round(value, 6)
+    return value
+
+
+def format_number(x: int | float) -> str:
+    return str(x)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> float | None:
+    """The last number in `text` (thousands separators allowed), or None."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+class CalculatorEnv:
+    """Multi-turn: tool calls get results; a message without a tool call is the final answer."""
+
+    def __init__(self, shots: list[Message] | None = None):
+        self.shots = examples() if shots is None else shots
+        self.row: dict[str, Any] = {}
+
+    def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
+        self.row = row
+        return [Message("system", SYSTEM), *self.shots, Message("user", row["question"])], [TOOL_SCHEMA]
+
+    def step(self, message: Message) -> StepResult:
+        if not message.tool_calls:
+            return StepResult(messages=[], done=True, info={"answer": final_number(message.content)})
+        out = []
+        for call in message.tool_calls:
+            if call.name != "calculator":
+                out.append(Message("tool", f"Error: unknown tool {call.name!r}; the only tool is calculator.", name=call.name))
+                continue
+            expr = call.arguments.get("expression")
+            if not isinstance(expr, str):
+                out.append(Message("tool", 'Error: the calculator needs {"expression": "..."}.', name="calculator"))
+                continue
+            try:
+                out.append(Message("tool", format_number(safe_eval(expr)), name="calculator"))
+            except CalcError as e:
+                out.append(Message("tool", f"Error: {e}", name="calculator"))
+        return StepResult(messages=out, done=False)

@@ -1,0 +1,121 @@
+"""Run multi-turn episodes: every active episode generates its next turn in one engine batch.
+
+    prompt ids ──► engine ──► sampled ids ──► renderer.parse ──► env.step ──► env messages
+        ▲                                                                        │
+        └──────────── ids += sampled ids (mask 1) + continuation ids (mask 0) ◄──┘
+
+A failure inside one episode (an environment that raises, a reset on a bad row) is recorded on
+that trajectory as `error` and the others go on; the trainer masks it from the loss.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from actloop.envs.base import Env
+from actloop.rollout.engine import Engine, SamplingParams
+from actloop.rollout.renderer import Renderer
+from actloop.types import Message, Trajectory, Turn
+
+MALFORMED_HINT = (
+    'Write a tool call exactly as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
+)
+
+
+@dataclass
+class _Episode:
+    env: Env
+    row: dict[str, Any]
+    prompt_messages: list[Message] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    done: bool = False
+    error: str | None = None
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(
+            prompt_messages=tuple(self.prompt_messages),
+            prompt_ids=tuple(self.prompt_ids),
+            turns=tuple(self.turns),
+            row=self.row,
+            info=self.info,
+            error=self.error,
+        )
+
+
+def _error_text() -> str:
+    return traceback.format_exc(limit=8)
+
+
+def run_episodes(
+    engine: Engine,
+    renderer: Renderer,
+    make_env: Callable[[], Env],
+    rows: list[dict[str, Any]],
+    params: SamplingParams,
+    max_turns: int,
+    max_context: int = 4096,
+) -> list[Trajectory]:
+    """One episode per row (repeat rows for groups), all advanced in lock-step turns."""
+    episodes = []
+    for row in rows:
+        ep = _Episode(env=make_env(), row=row)
+        try:
+            messages, _tools = ep.env.reset(row)
+            ep.prompt_messages = list(messages)
+            ep.prompt_ids = renderer.prompt_ids(messages)
+            ep.ids = list(ep.prompt_ids)
+        except Exception:
+            ep.error, ep.done = _error_text(), True
+        episodes.append(ep)
+
+    for turn_index in range(max_turns):
+        active = [ep for ep in episodes if not ep.done]
+        if not active:
+            break
+        completions = engine.generate([ep.ids for ep in active], params)
+        last_turn = turn_index == max_turns - 1
+        for ep, comp in zip(active, completions):
+            message, parsed = renderer.assistant_message(comp.token_ids)
+            ended_with_eos = bool(comp.token_ids) and comp.token_ids[-1] in renderer.eos_token_ids
+            malformed = parsed.error is not None
+            env_messages: list[Message] = []
+            turn_reward = None
+            if comp.finish_reason == "length":
+                ep.done = True  # cut off mid-turn: nothing sensible to feed back
+            elif malformed:
+                env_messages = [Message("tool", f"Error: {parsed.error}. {MALFORMED_HINT}")]
+            else:
+                try:
+                    result = ep.env.step(message)
+                    env_messages, ep.done, turn_reward = list(result.messages), result.done, result.reward
+                    ep.info.update(result.info)
+                except Exception:
+                    ep.error, ep.done = _error_text(), True
+            if last_turn:
+                ep.done = True
+            env_ids: list[int] = []
+            if not ep.done:
+                env_ids = renderer.continuation_ids(env_messages, ended_with_eos)
+                if len(ep.ids) + len(comp.token_ids) + len(env_ids) + params.max_new_tokens > max_context:
+                    ep.done, env_ids = True, []
+            finish = "length" if comp.finish_reason == "length" else (
+                "tool_call" if (message.tool_calls or malformed) else "stop")
+            ep.turns.append(
+                Turn(
+                    message=message,
+                    token_ids=comp.token_ids,
+                    logprobs=comp.logprobs,
+                    finish_reason=finish,
+                    env_messages=tuple(env_messages) if env_ids else (),
+                    env_ids=tuple(env_ids),
+                    malformed_tool_call=malformed,
+                    reward=turn_reward,
+                )
+            )
+            ep.ids += list(comp.token_ids) + env_ids
+    return [ep.trajectory() for ep in episodes]
