@@ -1,0 +1,4 @@
+from actloop.rewards.base import RewardError, call_reward_func, load_reward_func
+from actloop.rewards.rubric import RewardTerm, Rubric
+
+__all__ = ["RewardError", "RewardTerm", "Rubric", "call_reward_func", "load_reward_func"]

@@ -1,0 +1,55 @@
+"""Custom data: JSONL rows with a chat-format `prompt` plus any extra columns.
+
+    {"prompt": [{"role": "user", "content": "..."}], "answer_keys": "42"}
+
+A malformed row fails with its file and line number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+class DataError(ValueError):
+    """A dataset row or file that cannot be used; the message gives file and line."""
+
+
+def validate_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):  # a bare string is a single user turn
+        row = {**row, "prompt": [{"role": "user", "content": prompt}]}
+        prompt = row["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(f"{where}: field `prompt` must be a non-empty list of {{role, content}} messages")
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: prompt[{j}] must be {{\"role\": one of {sorted(ROLES)}, \"content\": string}}, got {m!r:.120}"
+            )
+    return row
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            rows.append(validate_row(row, where))
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows

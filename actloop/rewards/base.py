@@ -1,0 +1,98 @@
+"""Reward functions with TRL's signature, loaded by name and called safely.
+
+    def my_reward(prompts, completions, **columns) -> list[float | None]
+
+- `prompts`: each row's chat prompt, a list of {"role", "content"} dicts (TRL's conversational form);
+- `completions`: plain strings — the final assistant message, or the whole transcript after the
+  prompt when `reward.completion=transcript`;
+- every other column of the dataset row arrives as a keyword argument holding one value per
+  completion (e.g. `answer_keys`); a function that names a `trajectories` parameter also gets the
+  full `Trajectory` objects (turns, tool calls, token counts).
+- `None` means "not applicable" and is left out of the weighted total.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from actloop.types import Trajectory
+
+RewardFunc = Callable[..., list[float | None]]
+
+
+class RewardError(RuntimeError):
+    """A reward function that cannot be loaded, or returned something unusable."""
+
+
+def load_reward_func(spec: str) -> RewardFunc:
+    """`package.module:function` or `path/to/file.py:function` -> the function."""
+    if ":" not in spec:
+        raise RewardError(f"reward function `{spec}` must be written as module:function or file.py:function")
+    target, name = spec.rsplit(":", 1)
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.exists():
+                raise RewardError(f"reward file {path} does not exist")
+            mod_spec = importlib.util.spec_from_file_location(f"actloop_user_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except RewardError:
+        raise
+    except Exception as e:
+        raise RewardError(f"cannot import `{target}` for reward function `{spec}`: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardError(f"`{target}` has no function `{name}`")
+    return fn
+
+
+def wants(fn: Callable, param: str) -> bool:
+    try:
+        return param in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def completion_text(traj: Trajectory, mode: str) -> str:
+    return traj.transcript if mode == "transcript" else traj.final_text
+
+
+def call_reward_func(fn: RewardFunc, trajectories: list[Trajectory], mode: str = "final") -> list[float | None]:
+    """Call `fn` TRL-style on a batch of trajectories and check what it returns."""
+    prompts = [[m.to_dict() for m in t.prompt_messages] for t in trajectories]
+    completions = [completion_text(t, mode) for t in trajectories]
+    columns: dict[str, list[Any]] = {}
+    keys = {k for t in trajectories for k in t.row if k != "prompt"}
+    for k in sorted(keys):
+        columns[k] = [t.row.get(k) for t in trajectories]
+    if wants(fn, "trajectories"):
+        columns["trajectories"] = trajectories
+    out = fn(prompts=prompts, completions=completions, **columns)
+    name = getattr(fn, "__name__", repr(fn))
+    if inspect.isawaitable(out):
+        import asyncio
+
+        out = asyncio.run(out)  # type: ignore[arg-type]
+    if not isinstance(out, (list, tuple)) or len(out) != len(trajectories):
+        raise RewardError(f"reward function `{name}` must return a list of {len(trajectories)} floats, got {out!r:.200}")
+    result: list[float | None] = []
+    for i, v in enumerate(out):
+        if v is None:
+            result.append(None)
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward function `{name}` returned {v!r} at index {i}; expected a number or None") from None
+        if not math.isfinite(f):
+            raise RewardError(f"reward function `{name}` returned {f} at index {i}")
+        result.append(f)
+    return result
