@@ -1,0 +1,27 @@
+"""KL estimators between the policy and a reference, per token (pure functions).
+
+With log-ratio x = log pi_ref(a) - log pi(a) for a ~ pi (Schulman, "Approximating KL"):
+    k1 = -x                      unbiased, high variance, can be negative
+    k2 = x^2 / 2                 biased, low variance
+    k3 = exp(x) - 1 - x          unbiased, low variance, always >= 0   (GRPO's choice)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (ref_logp - logp) ** 2
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    x = (ref_logp - logp).clamp(-20, 20)  # guards exp against extreme ratios
+    return torch.exp(x) - 1 - x
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
