@@ -1,0 +1,85 @@
+"""`actloop train` end to end on the embedded model, with tiny settings (about a minute each)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "data.eval_size=3", "data.train_size=20",
+        "rollout.max_new_tokens=24", "rollout.max_turns=2", "--no-progress"]
+
+
+def run_cli(*args, cwd=ROOT):
+    proc = subprocess.run([sys.executable, "-m", "actloop", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def finite_metrics(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for rec in lines:
+        for k, v in rec.items():
+            assert isinstance(v, (int, float)) and math.isfinite(v), (k, v)
+    return lines
+
+
+@pytest.mark.slow
+def test_train_calculator_tiny(tmp_path):
+    out = run_cli("train", *TINY, f"output_dir={tmp_path}", "run_name=calc")
+    run_dir = tmp_path / "calc"
+    assert f"run directory: {run_dir}" in out.replace("\n", "") or str(run_dir) in out
+    assert (run_dir / "config.yaml").exists()
+    lines = finite_metrics(run_dir)
+    assert [r["step"] for r in lines] == [1, 2]
+    for key in ["reward_mean", "reward_std", "success", "kl", "entropy", "clip_frac", "grad_norm", "response_tokens",
+                "tool_tokens", "tool_calls_per_episode", "malformed_call_rate", "rollout_s", "scoring_s", "update_s",
+                "reward/correct"]:
+        assert key in lines[0], key
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.0 <= summary["eval_before"]["success"] <= 1.0 and 0.0 <= summary["eval_after"]["success"] <= 1.0
+    assert summary["seconds_per_step"] > 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert model.config.model_type == "llama"
+    # `actloop eval` reads the run directory's final checkpoint
+    res = json.loads(run_cli("eval", "--model", str(run_dir), "--n", "2", "--max-new-tokens", "16", "--json").strip().splitlines()[-1])
+    assert res["n"] == 2 and 0.0 <= res["success"] <= 1.0
+
+
+@pytest.mark.slow
+def test_train_custom_jsonl_with_blog_reward(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
+                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
+        for i in range(10)))
+    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    run_cli("train", *TINY, f"output_dir={tmp_path}", "run_name=custom", f"data.path={rows}",
+            f"reward.funcs=[{reward}:reasoning_reward_func]", "train.beta=0.04")
+    lines = finite_metrics(tmp_path / "custom")
+    assert all(-1.0 <= r["reward_mean"] <= 2.0 for r in lines) and "reward/reasoning_reward_func" in lines[0]
+    assert all(r["kl"] >= 0 for r in lines)
+
+
+@pytest.mark.slow
+def test_train_lora_tiny(tmp_path):
+    pytest.importorskip("peft")
+    run_cli("train", *TINY, "train.eval_before=false", "train.eval_after=false", "lora.enabled=true", "lora.r=4",
+            "train.beta=0.04", f"output_dir={tmp_path}", "run_name=lora")
+    lines = finite_metrics(tmp_path / "lora")
+    assert len(lines) == 2
+    assert (tmp_path / "lora" / "final" / "adapter_config.json").exists()
+
+
+def test_malformed_data_row_fails_with_file_and_line(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "ok", "answer_keys": "1"}\n{"prompt": 3}\n')
+    proc = subprocess.run([sys.executable, "-m", "actloop", "train", f"data.path={rows}",
+                           "reward.funcs=[actloop.rewards.calculator:used_tool]", f"output_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"{rows}:2" in (proc.stdout + proc.stderr)
