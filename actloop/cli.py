@@ -25,6 +25,13 @@ try:  # the sandbox commands, when that package is present
 except ImportError:  # pragma: no cover
     pass
 
+try:  # `actloop grade`, from the rewards package
+    from actloop.rewards.cli import grade as _grade
+
+    app.command("grade")(_grade)
+except ImportError:  # pragma: no cover
+    pass
+
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from actloop.data.jsonl import DataError
