@@ -379,3 +379,65 @@ class SandboxProcess:
             pass
         if self._cleanup is not None:
             self._cleanup()
+
+
+def others_can_reach(path: str) -> bool:
+    """Whether an unrelated, unprivileged uid can reach `path`: o+x on every directory on
+    the way (and on `path` itself if it is one), o+r on it if it is a file."""
+    import stat as _stat
+
+    try:
+        parts = os.path.abspath(path).split("/")
+        for i in range(2, len(parts) + 1):
+            st = os.stat("/".join(parts[:i]))
+            need = _stat.S_IXOTH if _stat.S_ISDIR(st.st_mode) else _stat.S_IROTH
+            if not st.st_mode & need:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def interpreter_reachable(python: str) -> bool:
+    """Whether an unprivileged uid can run `python` *and* read its standard library."""
+    real = os.path.realpath(python)
+    if not others_can_reach(real):
+        return False
+    prefix = os.path.dirname(os.path.dirname(real))
+    libs = [os.path.join(prefix, "lib", d) for d in os.listdir(os.path.join(prefix, "lib"))
+            if d.startswith("python3")] if os.path.isdir(os.path.join(prefix, "lib")) else []
+    return all(others_can_reach(p) for p in libs) and bool(libs)
+
+
+def find_reachable_python(prefer: str) -> str | None:
+    """An interpreter an unprivileged uid can use, same major.minor as `prefer` first."""
+    import glob
+
+    ver = os.path.basename(os.path.realpath(prefer))  # e.g. python3.11
+    cands = [f"/usr/local/bin/{ver}", f"/usr/bin/{ver}", "/usr/local/bin/python3", "/usr/bin/python3",
+             *sorted(glob.glob("/usr/bin/python3.*"), reverse=True)]
+    for c in cands:
+        if os.path.exists(c) and os.access(c, os.X_OK) and interpreter_reachable(c):
+            return c
+    return None
+
+
+_SPAWNER = None
+_SPAWNER_LOCK = __import__("threading").Lock()
+
+
+def on_spawner_thread(fn: Callable[..., object], *args: object) -> object:
+    """Call `fn` on one thread that lives as long as the process, and return its result.
+
+    Why: bwrap arms PR_SET_PDEATHSIG, and the kernel fires it when the *thread* that
+    spawned bwrap exits, not the process. A long-lived sandbox (a `PythonSession`) started
+    from a short-lived thread (an executor worker, an env's reset in a thread) would be
+    killed with it. One-shot runs do not need this: their thread waits for them.
+    """
+    global _SPAWNER
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="actloop-sandbox-spawner")
+    return _SPAWNER.submit(fn, *args).result()

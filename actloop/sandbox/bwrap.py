@@ -7,17 +7,18 @@ What the program sees:
 - ``/usr`` (and the ``/bin``, ``/lib*`` links), the interpreter's prefix and any
   `python_path` / `ro_binds` entries — all read-only. No ``/home``, ``/root``, ``/etc``
   (beyond ``ld.so.cache`` and ``localtime``), ``/var``, ``/run``, ``/sys``, no host sockets.
-- ``/work``: a private tmpfs of `Limits.tmpfs_mb`, the only writable place; ``/tmp`` links
-  to it. ``/dev/shm`` is a second, small tmpfs (a quarter of that size) so
+- ``/sandbox``: a private tmpfs of `Limits.tmpfs_mb`, the only writable place, its cwd and
+  ``HOME``; ``/tmp`` links to it (unless you bind something below ``/tmp``; ``TMPDIR``
+  points there either way). ``/dev/shm`` is a second, small tmpfs (a quarter of that size) so
   `multiprocessing` locks work. The root, ``/dev`` and ``/proc`` are remounted read-only.
 - its own ``/proc``: only its own processes (pid 1 is bwrap's reaper).
 - a loopback interface in an empty network namespace: no route anywhere, not even to the
   host's 127.0.0.1.
 - an environment built from scratch (`_proc.sandbox_env`): no host variables.
-- uid 65534 inside. When the host runs as root, bwrap itself is started as uid 65534 (via
-  ``setpriv``) whenever the interpreter is readable by that uid, so the sandbox is an
-  unprivileged *host* uid as well; otherwise it maps to host root without any capability,
-  and ``/proc`` is read-only so root-owned sysctls stay out of reach (`doctor` says which).
+- uid 65534 inside, and an unprivileged uid outside: your own uid, or, when the host runs as
+  root, an unused uid (62000 + n) per concurrent run in a pre-made user namespace (see
+  `_UsernsSlots`: mapping the sandbox to host root would exempt it from RLIMIT_NPROC). No
+  capabilities, an empty bounding set, no_new_privs, no nested user namespaces.
 
 Limits: rlimits (CPU, address space, processes, open files, file size) are set inside the
 sandbox before the program starts, the tmpfs has a size, and a host-side watchdog SIGKILLs
@@ -26,7 +27,8 @@ kernel kills every process left in the pid namespace. Nothing survives a run: no
 no double-forked orphan, no file.
 
 What it does NOT protect against: kernel bugs reachable through the syscall surface (there
-is no seccomp filter; nested user namespaces are disabled with ``--disable-userns``), CPU
+is no seccomp filter; nested user namespaces are disabled: ``--disable-userns``, or
+max_user_namespaces=0 in the pre-made namespaces of root hosts), CPU
 and cache side channels, and reading whatever you bind in. Memory is bounded per process
 by RLIMIT_AS, not per sandbox (use the Docker backend for a cgroup limit). CPU time is
 bounded per process by RLIMIT_CPU and overall by the wall-clock watchdog.
@@ -39,9 +41,9 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -50,7 +52,8 @@ from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_fil
 
 log = logging.getLogger("actloop.sandbox")
 
-WORKDIR = "/work"
+WORKDIR = "/sandbox"  # not /work or /tmp: host paths there are common bind sources
+_RESERVED = (WORKDIR, "/dev", "/proc")
 SANDBOX_UID = 65534  # "nobody", inside the sandbox and, when we can, outside as well
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -59,20 +62,6 @@ def default_python() -> str:
     """The host's base interpreter (not the venv's wrapper): same version as the trainer,
     standard library only unless you pass `python_path` or `site_packages=True`."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-
-
-def _others_can_reach(path: str) -> bool:
-    """Whether an unrelated uid can traverse to `path` (o+x on every ancestor, o+r on it)."""
-    try:
-        parts = os.path.abspath(path).split("/")
-        for i in range(2, len(parts) + 1):
-            st = os.stat("/".join(parts[:i]) or "/")
-            need = stat.S_IXOTH if stat.S_ISDIR(st.st_mode) else stat.S_IROTH
-            if not st.st_mode & need:
-                return False
-    except OSError:
-        return False
-    return True
 
 
 def _interpreter_binds(python: str) -> list[str]:
@@ -97,6 +86,102 @@ def _bwrap_features(bwrap: str) -> frozenset[str]:
     return frozenset(f for f in ("--disable-userns", "--unshare-cgroup-try", "--size") if f in text)
 
 
+class _Slot:
+    """One pre-made user namespace (root hosts): its fd, its host uid, its command prefix."""
+
+    __slots__ = ("uid", "fd", "prefix")
+
+    def __init__(self, uid: int, fd: int, prefix: list[str]) -> None:
+        self.uid, self.fd, self.prefix = uid, fd, prefix
+
+
+class _UsernsSlots:
+    """User namespaces for sandboxes started by a root host, one per concurrent run.
+
+    Why: when bwrap creates the user namespace itself, it maps the sandbox to the uid that
+    started it. For root that is host uid 0, and the kernel does not apply RLIMIT_NPROC
+    to uid 0: a fork bomb would run until the watchdog. So a root host prepares namespaces
+    where the sandbox uid 65534 maps to an unused host uid (62000 + n), one per concurrent
+    run (its own process count), and starts bwrap as that uid with ``--userns``. The
+    namespace also maps host root to itself so that bwrap, which holds capabilities in it,
+    may read bind sources below 0700 directories such as /root; the program itself runs
+    as 65534 without capabilities, with an empty bounding set and no_new_privs, and the
+    namespace's max_user_namespaces is 0 (no nested namespaces).
+    """
+
+    def __init__(self, uid_base: int = 62000, count: int = 512) -> None:
+        self._next = uid_base
+        self._end = uid_base + count
+        self._free: list[_Slot] = []
+        self._lock = threading.Lock()
+        tools = {t: shutil.which(t) for t in ("setpriv", "unshare", "nsenter")}
+        missing = [t for t, p in tools.items() if not p]
+        if missing:
+            raise SandboxError(f"bwrap as root needs util-linux {', '.join(missing)}")
+        self._tools = tools
+
+    def acquire(self, bwrap: str) -> _Slot:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._next >= self._end:
+                raise SandboxError("no free sandbox uid (too many concurrent sandboxes)")
+            uid = self._next
+            self._next += 1
+        fd = self._create(uid)
+        prefix = [self._tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",  # type: ignore[list-item]
+                  bwrap, "--userns", str(fd)]
+        return _Slot(uid, fd, prefix)
+
+    def release(self, slot: _Slot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def _create(self, uid: int) -> int:
+        env = {"PATH": "/usr/bin:/bin"}
+        holder = subprocess.Popen(
+            [self._tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",  # type: ignore[list-item]
+             self._tools["unshare"], "--user", "--", "/bin/sh", "-c", "echo ready && exec cat"],  # type: ignore[list-item]
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
+        assert holder.stdin is not None and holder.stdout is not None and holder.stderr is not None
+        try:
+            if holder.stdout.readline() != b"ready\n":
+                raise SandboxError(f"cannot create a user namespace: {holder.stderr.read().decode().strip()}")
+            mapping = f"0 0 1\n{SANDBOX_UID} {uid} 1\n"
+            for f in ("uid_map", "gid_map"):
+                with open(f"/proc/{holder.pid}/{f}", "w") as fh:
+                    fh.write(mapping)
+            r = subprocess.run(
+                [self._tools["nsenter"], f"--user=/proc/{holder.pid}/ns/user", "--",  # type: ignore[list-item]
+                 "/bin/sh", "-c", "echo 0 > /proc/sys/user/max_user_namespaces"],
+                capture_output=True, text=True, env=env, check=False,
+            )
+            if r.returncode != 0:
+                raise SandboxError(f"cannot limit nested user namespaces: {r.stderr.strip()}")
+            return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise SandboxError(f"cannot prepare a user namespace: {e}") from e
+        finally:
+            holder.stdin.close()
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
+            holder.stderr.close()
+
+
+_SLOTS: _UsernsSlots | None = None
+_SLOTS_LOCK = threading.Lock()
+
+
+def _slots() -> _UsernsSlots:
+    global _SLOTS
+    with _SLOTS_LOCK:
+        if _SLOTS is None:
+            _SLOTS = _UsernsSlots()
+        return _SLOTS
+
+
 class BwrapSandbox(AsyncMixin):
     """Run code in a bubblewrap sandbox. See the module docstring for what it isolates.
 
@@ -110,8 +195,6 @@ class BwrapSandbox(AsyncMixin):
             which saves 5-30 ms per run and keeps host packages out of reach).
         ro_binds: extra host paths bound read-only at the same place.
         env: extra environment variables for the program (nothing is inherited).
-        run_as: ``"auto"`` (default): when the host is root, start bwrap as uid 65534 if
-            every bound path is readable by it; ``"self"``: never change uid.
         bwrap: path of the bwrap binary (default: from ``PATH``).
     """
 
@@ -127,7 +210,6 @@ class BwrapSandbox(AsyncMixin):
         site_packages: bool = False,
         ro_binds: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
-        run_as: str = "auto",
         bwrap: str | None = None,
     ) -> None:
         self.limits = limits or Limits()
@@ -140,39 +222,34 @@ class BwrapSandbox(AsyncMixin):
             raise SandboxError(f"interpreter {self.python!r} does not exist")
         self._python_cmd = [self.python] if site_packages else [self.python, "-S"]
         feats = _bwrap_features(self.bwrap)
+        # Root hosts use pre-made user namespaces (see _UsernsSlots); others let bwrap
+        # create one, mapping the sandbox to their own (unprivileged) uid.
+        self._slots = _slots() if os.geteuid() == 0 else None
 
         system = ["/usr", "/bin", "/lib", "/lib64", "/sbin"]
         binds: list[str] = []
         for p in [*_interpreter_binds(self.python), *python_path, *ro_binds]:
             p = os.path.abspath(p)
+            if _under(p, _RESERVED) or p == "/":
+                raise ValueError(f"cannot bind {p!r}: {', '.join(_RESERVED)} belong to the sandbox")
             if not _under(p, system) and not _under(p, binds):
                 binds.append(p)
+        self._tmp_link = not any(_under(b, ["/tmp"]) for b in binds)
 
-        self.unprivileged_host_uid = False
-        setpriv: list[str] = []
-        if os.geteuid() == 0 and run_as == "auto":
-            setpriv_bin = shutil.which("setpriv")
-            reachable = all(_others_can_reach(p) for p in [self.python, *binds])
-            if setpriv_bin and reachable:
-                setpriv = [setpriv_bin, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--"]
-                self.unprivileged_host_uid = True
-            else:
-                log.info(
-                    "bwrap sandbox maps to host root (no capabilities): %s is not readable by "
-                    "uid %d%s. /proc is read-only inside either way.",
-                    self.python, SANDBOX_UID, "" if setpriv_bin else " / setpriv missing",
-                )
-
-        # The fixed part of the command line is built once; a run only appends its tmpfs
-        # size, its files and its command.
-        a = [*setpriv, self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net",
-             "--unshare-ipc", "--unshare-uts"]
+        # The fixed part of the command line is built once; a run only adds its user
+        # namespace (root hosts), tmpfs sizes, files and command.
+        a: list[str] = []
+        if self._slots is None:
+            a += [self.bwrap, "--unshare-user"]
+            if "--disable-userns" in feats:
+                a.append("--disable-userns")
+            a += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        else:
+            a += ["--uid", str(SANDBOX_UID)]  # the gid comes from setpriv (bwrap sets uid first)
+        a += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
         if "--unshare-cgroup-try" in feats:
             a.append("--unshare-cgroup-try")
-        if "--disable-userns" in feats:
-            a.append("--disable-userns")
-        a += ["--die-with-parent", "--new-session", "--uid", str(SANDBOX_UID),
-              "--gid", str(SANDBOX_UID), "--hostname", "sandbox", "--cap-drop", "ALL",
+        a += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL",
               "--ro-bind", "/usr", "/usr"]
         for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(d):
@@ -186,22 +263,32 @@ class BwrapSandbox(AsyncMixin):
         a += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev"]
         self._argv_head = a
         self._env = _proc.sandbox_env(
-            home=WORKDIR, tmp="/tmp", path=_PATH, pythonpath=list(python_path), extra=env
+            home=WORKDIR, tmp=WORKDIR, path=_PATH, pythonpath=list(python_path), extra=env
         )
+
+    @property
+    def host_identity(self) -> str:
+        """Who the sandboxed program is on the host, in words (for `doctor`)."""
+        if self._slots is not None:
+            return "an unused unprivileged host uid (62000+n) per concurrent run, in a pre-made user namespace"
+        return f"your own uid {os.getuid()} (unprivileged), in a fresh user namespace"
 
     # -- command construction ---------------------------------------------------------
     def _command(
-        self, argv: Sequence[str] | None, code: str | None, files: dict[str, bytes], limits: Limits
+        self, argv: Sequence[str] | None, code: str | None, files: dict[str, bytes], limits: Limits,
+        slot: _Slot | None,
     ) -> tuple[list[str], list[int]]:
-        """Full bwrap command line plus the memfds it reads the files from."""
+        """Full command line plus the memfds bwrap copies the files from."""
         mb = 1024 * 1024
         total = sum(len(v) for v in files.values())
         if total > limits.tmpfs_mb * mb:
             raise ValueError(f"files ({total} bytes) do not fit in tmpfs_mb={limits.tmpfs_mb}")
-        cmd = list(self._argv_head)
+        cmd = [*slot.prefix, *self._argv_head] if slot is not None else list(self._argv_head)
         cmd += ["--size", str(max(1, limits.tmpfs_mb // 4) * mb), "--tmpfs", "/dev/shm",
                 "--remount-ro", "/dev",
-                "--size", str(limits.tmpfs_mb * mb), "--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp"]
+                "--size", str(limits.tmpfs_mb * mb), "--tmpfs", WORKDIR]
+        if self._tmp_link:
+            cmd += ["--symlink", WORKDIR, "/tmp"]
         fds: list[int] = []
         try:
             made: set[str] = set()
@@ -226,30 +313,54 @@ class BwrapSandbox(AsyncMixin):
 
     def _program(self, argv: Sequence[str] | None, code: str | None, limits: Limits) -> list[str]:
         # Python programs set their own rlimits in a -c preamble (no extra exec); anything
-        # else goes through util-linux `prlimit`. Both run after the user namespace exists,
-        # so RLIMIT_NPROC counts only this sandbox's processes.
+        # else goes through util-linux `prlimit`. Both run inside the user namespace, so
+        # RLIMIT_NPROC counts only this sandbox's processes. +2: bwrap's own two processes
+        # are charged to the same count.
+        nproc = limits.max_procs + 2
         if code is not None:
             argv = ["python", "main.py"]
         assert argv
         if argv[0] == "python" and len(argv) >= 2 and not argv[1].startswith("-"):
             script = argv[1] if argv[1].startswith("/") else f"{WORKDIR}/{argv[1]}"
             boot = _proc.python_boot(
-                limits, nproc=limits.max_procs, script=script, argv=list(argv[1:]),
+                limits, nproc=nproc, script=script, argv=list(argv[1:]),
                 path0=os.path.dirname(script),
             )
             return [*self._python_cmd, "-c", boot]
         prog = list(argv)
         if prog[0] == "python":
             prog[:1] = self._python_cmd
-        return ["prlimit", *_proc.prlimit_args(limits, nproc=limits.max_procs), "--", *prog]
+        return ["prlimit", *_proc.prlimit_args(limits, nproc=nproc), "--", *prog]
 
-    def _spawn(self, argv, code, files, limits, stdin_pipe):  # type: ignore[no-untyped-def]
-        cmd, fds = self._command(argv, code, files, limits)
+    def _spawn(
+        self, argv: Sequence[str] | None, code: str | None, files: dict[str, bytes], limits: Limits,
+        stdin_pipe: bool,
+    ) -> tuple[subprocess.Popen[bytes], _Slot | None]:
+        slot = self._slots.acquire(self.bwrap) if self._slots is not None else None
         try:
-            return _proc.spawn(cmd, env=self._env, stdin_pipe=stdin_pipe, pass_fds=fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+            cmd, fds = self._command(argv, code, files, limits, slot)
+            try:
+                proc = _proc.spawn(cmd, env=self._env, stdin_pipe=stdin_pipe,
+                                   pass_fds=[*fds, *([slot.fd] if slot else [])])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            if slot is not None:
+                self._slots.release(slot)  # type: ignore[union-attr]
+            raise
+        return proc, slot
+
+    @staticmethod
+    def _killer(proc: subprocess.Popen[bytes]):  # type: ignore[no-untyped-def]
+        def kill() -> None:
+            # SIGKILL bwrap: --die-with-parent kills the sandbox's pid 1, and with it the
+            # kernel kills every process in the pid namespace.
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return kill
 
     # -- public API -------------------------------------------------------------------
     def run(
@@ -269,17 +380,13 @@ class BwrapSandbox(AsyncMixin):
             fs["main.py"] = code.encode()
         data = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.monotonic()
-        proc = self._spawn(argv, None if code is None else code, fs, limits, data is not None)
-
-        def kill() -> None:
-            # SIGKILL bwrap: --die-with-parent kills the sandbox's pid 1, and with it the
-            # kernel kills every process in the pid namespace.
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-        c = _proc.collect(proc, stdin_data=data, limits=limits, started=started, kill=kill)
+        proc, slot = self._spawn(argv, code, fs, limits, data is not None)
+        try:
+            c = _proc.collect(proc, stdin_data=data, limits=limits, started=started,
+                              kill=self._killer(proc))
+        finally:
+            if slot is not None:
+                self._slots.release(slot)  # type: ignore[union-attr]
         res = _proc.to_result(c, self.tier)
         log.debug("sandbox run tier=bwrap exit=%s timed_out=%s %.3fs", res.exit_code, res.timed_out, res.duration_s)
         return res
@@ -290,21 +397,18 @@ class BwrapSandbox(AsyncMixin):
         """Start a long-lived sandboxed process with stdin/stdout/stderr pipes and no
         watchdog (the caller owns its lifetime: `PythonSession`)."""
         limits = limits or self.limits
-        proc = self._spawn(argv, None, check_files(files), limits, True)
-
-        def kill() -> None:
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-        return _proc.SandboxProcess(proc, kill=kill, tier=self.tier)
+        proc, slot = _proc.on_spawner_thread(self._spawn, argv, None, check_files(files), limits, True)  # type: ignore[misc]
+        slots = self._slots
+        return _proc.SandboxProcess(
+            proc, kill=self._killer(proc), tier=self.tier,
+            cleanup=(lambda: slots.release(slot)) if slot is not None and slots is not None else None,
+        )
 
     def close(self) -> None:
         pass
 
     def __repr__(self) -> str:
-        return f"BwrapSandbox(python={self.python!r}, unprivileged_host_uid={self.unprivileged_host_uid})"
+        return f"BwrapSandbox(python={self.python!r})"
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -53,10 +53,7 @@ def probe_bwrap(python: str | None = None) -> TierStatus:
     except SandboxError as e:
         return TierStatus("bwrap", False, True, str(e))
     if r.stdout.strip() == "42" and r.exit_code == 0:
-        who = ("unprivileged host uid 65534" if sb.unprivileged_host_uid
-               else f"host uid {os.geteuid()}" + (" (root without capabilities; /proc read-only)"
-                                                  if os.geteuid() == 0 else ""))
-        return TierStatus("bwrap", True, True, f"user namespaces work; sandbox runs as {who}")
+        return TierStatus("bwrap", True, True, f"user namespaces work; the sandbox runs as {sb.host_identity}")
     why = (r.stderr.strip().splitlines() or [f"exit {r.exit_code}"])[-1]
     hints = _userns_hints()
     if hints:

@@ -34,6 +34,7 @@ Use the bwrap or Docker tier for anything you would not run in your own shell.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -136,15 +137,25 @@ class RlimitSandbox(AsyncMixin):
         warn: bool = True,
     ) -> None:
         self.limits = limits or Limits()
-        self.python = python or default_python()
-        self._python_cmd = [self.python] if site_packages else [self.python, "-S"]
-        self._python_path = list(python_path)
-        self._extra_env = dict(env or {})
-        self.tmp_root = tmp_root or tempfile.gettempdir()
         is_root = os.geteuid() == 0
         self.switch_uid = is_root if switch_uid is None else switch_uid
         if self.switch_uid and not is_root:
             raise SandboxError("switch_uid=True needs root")
+        self.python = python or default_python()
+        if self.switch_uid and not _proc.interpreter_reachable(self.python):
+            # The throw-away uid cannot read an interpreter below e.g. /root (0700).
+            alt = None if python else _proc.find_reachable_python(self.python)
+            if alt is None:
+                raise SandboxError(
+                    f"the rlimit tier runs programs as an unprivileged uid, which cannot read "
+                    f"{self.python}; pass python= an interpreter outside 0700 directories"
+                )
+            log.info("rlimit sandbox: %s is not readable by the sandbox uid; using %s", self.python, alt)
+            self.python = alt
+        self._python_cmd = [self.python] if site_packages else [self.python, "-S"]
+        self._python_path = list(python_path)
+        self._extra_env = dict(env or {})
+        self.tmp_root = tmp_root or tempfile.gettempdir()
         self._setpriv = shutil.which("setpriv")
         self._kill_bin = shutil.which("kill")
         if self.switch_uid and not (self._setpriv and self._kill_bin):
@@ -287,7 +298,9 @@ class RlimitSandbox(AsyncMixin):
         limits = limits or self.limits
         cmd, workdir, uid = self._prepare(argv, None, check_files(files), limits)
         try:
-            proc = _proc.spawn(cmd, env=self._env(workdir), cwd=workdir, stdin_pipe=True, new_session=True)
+            proc = _proc.on_spawner_thread(  # setpriv does not set a parent-death signal,
+                functools.partial(_proc.spawn, cmd, env=self._env(workdir), cwd=workdir,  # but
+                                  stdin_pipe=True, new_session=True))  # keep one code path
         except BaseException:
             self._cleanup(workdir, uid)
             raise

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 
 import pytest
 
 from actloop.sandbox import BwrapSandbox, Limits, RlimitSandbox, probe_bwrap
-
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 # Small limits keep the attack suite fast on 2 shared cores; test_attacks.py asserts
 # against the same numbers and checks they match (test_limits_match_conftest).
@@ -18,27 +15,16 @@ ATTACK_LIMITS = Limits(timeout_s=1.5, max_procs=32, memory_mb=256, tmpfs_mb=8, m
 
 
 def _variants() -> list[str]:
-    return ["bwrap", "bwrap-unprivileged", "rlimit"]
+    return ["bwrap", "rlimit"]
 
 
 def make_sandbox(variant: str) -> BwrapSandbox | RlimitSandbox:
     """Build the sandbox for a variant, or skip with the reason it cannot exist here."""
-    if variant.startswith("bwrap"):
+    if variant == "bwrap":
         status = probe_bwrap()
         if not status.available:
             pytest.skip(f"bwrap tier unavailable here: {status.reason}")
-        if variant == "bwrap":
-            return BwrapSandbox(ATTACK_LIMITS)
-        # bwrap started as host uid 65534: only meaningful when we are root, and needs an
-        # interpreter readable by that uid.
-        if os.geteuid() != 0:
-            pytest.skip("not root: bwrap already runs as an unprivileged host uid (variant 'bwrap')")
-        if not os.path.exists(SYSTEM_PYTHON) or not shutil.which("setpriv"):
-            pytest.skip(f"needs {SYSTEM_PYTHON} and setpriv")
-        sb = BwrapSandbox(ATTACK_LIMITS, python=SYSTEM_PYTHON)
-        if not sb.unprivileged_host_uid:
-            pytest.skip(f"{SYSTEM_PYTHON} is not readable by uid 65534")
-        return sb
+        return BwrapSandbox(ATTACK_LIMITS)
     if variant == "rlimit":
         if os.geteuid() != 0:
             # Without root the fallback runs as *our* uid: several attacks would hit the

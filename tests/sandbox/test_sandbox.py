@@ -1,0 +1,491 @@
+"""Unit tests for the sandbox package: runs, files, stdin, truncation, tiers, async, the
+pool's concurrency bound, PythonSession, the factory, the CLI and the Docker command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+from typer.testing import CliRunner
+
+import actloop.sandbox.factory as factory
+import actloop.sandbox.rlimit as rlimit_mod
+from actloop.sandbox import (
+    BwrapSandbox,
+    DockerSandbox,
+    ExecResult,
+    IsolationUnavailableError,
+    Limits,
+    PythonSession,
+    RlimitSandbox,
+    SandboxError,
+    SandboxPool,
+    TierStatus,
+    get_sandbox,
+)
+from actloop.sandbox._proc import CappedBuffer, python_boot
+from actloop.sandbox.cli import app
+from actloop.sandbox.docker import docker_available
+
+
+@pytest.fixture(params=["bwrap", "rlimit"], scope="module")
+def sb(request, bwrap_sandbox, rlimit_sandbox):  # type: ignore[no-untyped-def]
+    return bwrap_sandbox if request.param == "bwrap" else rlimit_sandbox
+
+
+# ------------------------------------------------------------------------ value types
+def test_limits_defaults_validation_and_cpu() -> None:
+    lim = Limits()
+    assert (lim.timeout_s, lim.memory_mb, lim.max_procs, lim.tmpfs_mb) == (10.0, 512, 64, 64)
+    assert lim.cpu_seconds == 10  # follows timeout_s when cpu_s is None
+    assert Limits(timeout_s=2.5).cpu_seconds == 3
+    assert Limits(timeout_s=30, cpu_s=1.2).cpu_seconds == 2
+    with pytest.raises(ValueError):
+        Limits(memory_mb=0)
+    with pytest.raises(ValueError):
+        Limits(timeout_s=-1)
+    with pytest.raises(AttributeError):
+        lim.timeout_s = 3  # type: ignore[misc]  # frozen
+    assert lim.replace(timeout_s=3).timeout_s == 3
+
+
+def test_exec_result_json_roundtrip() -> None:
+    r = ExecResult("out", "err", 0, False, False, 0.1, "bwrap")
+    assert r.ok
+    assert json.loads(r.to_json())["tier"] == "bwrap"
+    assert not ExecResult("", "", 0, True, False, 1.0, "rlimit").ok
+
+
+def test_capped_buffer_keeps_head_and_tail() -> None:
+    b = CappedBuffer(10)
+    b.feed(b"0123456789")
+    assert not b.truncated and b.text("stdout") == "0123456789"
+    b.feed(b"abcdef")
+    assert b.truncated
+    text = b.text("stdout")
+    assert text.startswith("01234") and text.endswith("bcdef")
+    assert "[actloop: stdout truncated, 6 bytes omitted]" in text
+
+
+# ------------------------------------------------------------------------------ runs
+def test_basic_run_and_tier(sb) -> None:  # type: ignore[no-untyped-def]
+    r = sb.run("print(6 * 7)")
+    assert (r.stdout, r.stderr, r.exit_code, r.timed_out, r.oom) == ("42\n", "", 0, False, False)
+    assert r.tier == sb.tier and r.ok and r.error is None
+    assert 0 < r.duration_s < 5
+    assert sb.isolated == (sb.tier == "bwrap")
+
+
+def test_exit_codes_follow_shell_convention(sb) -> None:  # type: ignore[no-untyped-def]
+    assert sb.run("import sys; sys.exit(3)").exit_code == 3
+    r = sb.run("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert r.exit_code == 128 + signal.SIGSEGV
+
+
+def test_traceback_reads_like_a_plain_script(sb) -> None:  # type: ignore[no-untyped-def]
+    r = sb.run("def f():\n    return 1 / 0\nf()\n")
+    assert r.exit_code == 1
+    assert r.stderr.startswith("Traceback (most recent call last):\n  File ")
+    assert "<string>" not in r.stderr and "main.py\", line 3" in r.stderr
+    assert r.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+    syn = sb.run("def f(:\n")
+    assert "SyntaxError" in syn.stderr and "<string>" not in syn.stderr
+
+
+def test_files_and_stdin(sb) -> None:  # type: ignore[no-untyped-def]
+    code = (
+        "import sys, helper\n"
+        "data = open('data/nested/in.bin', 'rb').read()\n"
+        "print(helper.X, len(data), data[:3], sys.stdin.read().upper())\n"
+    )
+    r = sb.run(code, files={"helper.py": "X = 5\n", "data/nested/in.bin": b"\x00\x01\x02rest"}, stdin="hello")
+    assert r.stdout == "5 7 b'\\x00\\x01\\x02' HELLO\n", r
+
+
+def test_large_stdin_does_not_deadlock(sb) -> None:  # type: ignore[no-untyped-def]
+    blob = b"y" * (3 << 20)  # far beyond a pipe buffer, both ways
+    r = sb.run("import sys; d = sys.stdin.buffer.read(); print(len(d))",
+               stdin=blob, limits=Limits(max_output_bytes=1 << 10))
+    assert r.stdout == f"{len(blob)}\n", r
+
+
+def test_argv_mode_and_python_alias(sb) -> None:  # type: ignore[no-untyped-def]
+    r = sb.run(argv=["python", "-c", "import sys; print(sys.argv[1:])", "a", "b"])
+    assert r.stdout == "['a', 'b']\n", r
+    r = sb.run(argv=["python", "prog.py", "x"], files={"prog.py": "import sys; print(sys.argv)"})
+    assert r.stdout == "['prog.py', 'x']\n", r
+    r = sb.run(argv=["sh", "-c", "echo $HOME; exit 4"])
+    assert r.exit_code == 4 and r.stdout.strip()
+
+
+def test_input_validation(sb) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError):
+        sb.run()
+    with pytest.raises(ValueError):
+        sb.run("x", argv=["python"])
+    for bad in ("/etc/passwd", "../x", "a/../b", ""):
+        with pytest.raises(ValueError):
+            sb.run("pass", files={bad: "x"})
+    with pytest.raises(ValueError):
+        sb.run("pass", files={"main.py": "clash"})
+
+
+def test_output_truncation_marker(sb) -> None:  # type: ignore[no-untyped-def]
+    r = sb.run("print('A' * 5000 + 'END')", limits=Limits(max_output_bytes=100))
+    assert r.truncated and not r.timed_out and r.exit_code == 0
+    assert r.stdout.startswith("A" * 50) and r.stdout.endswith("END\n")
+    assert "[actloop: stdout truncated," in r.stdout
+    assert len(r.stdout) < 200
+
+
+def test_clean_environment(sb, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("ACTLOOP_LEAK_CHECK", "1")
+    r = sb.run("import os; print(sorted(os.environ))")
+    keys = eval(r.stdout)  # noqa: S307 - our own output
+    assert "ACTLOOP_LEAK_CHECK" not in keys
+    assert set(keys) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE",
+                         "PYTHONIOENCODING", "PYTHONHASHSEED", "OMP_NUM_THREADS",
+                         "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH",
+                         "PWD"}  # bwrap --chdir sets PWD
+
+
+def test_oom_flag_and_timeout_flag(sb) -> None:  # type: ignore[no-untyped-def]
+    r = sb.run("x = bytearray(4 << 30)", limits=Limits(memory_mb=128))
+    assert r.oom and r.exit_code == 1 and not r.timed_out
+    r = sb.run("import time; time.sleep(5)", limits=Limits(timeout_s=0.5))
+    assert r.timed_out and r.exit_code == 137 and 0.45 < r.duration_s < 2.5
+
+
+def test_bwrap_work_dir_is_private_between_runs(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    bwrap_sandbox.run("open('left.txt', 'w').write('x'); open('/tmp/t', 'w').write('y')")
+    r = bwrap_sandbox.run("import os; print(sorted(os.listdir('.')), os.getcwd())")
+    assert r.stdout == "['main.py'] /sandbox\n"
+
+
+def test_bwrap_python_path_binds_a_host_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "extmod.py").write_text("VALUE = 'from host lib'\n")
+    tmp_path.chmod(0o755)
+    sb = BwrapSandbox(python_path=[str(lib)])
+    r = sb.run("import extmod; print(extmod.VALUE)")
+    assert r.stdout == "from host lib\n", r
+    r = sb.run(f"open({str(lib / 'x')!r}, 'w')")
+    assert "Read-only file system" in r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="no system /usr/bin/python3")
+def test_bwrap_other_interpreter() -> None:
+    r = BwrapSandbox(python="/usr/bin/python3").run("import sys; print(sys.executable)")
+    assert r.stdout == "/usr/bin/python3\n", r
+
+
+def test_rlimit_same_uid_path_runs_benign_code() -> None:
+    # The non-root fallback path (no uid switching): only benign code here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sb = RlimitSandbox(switch_uid=False, warn=False)
+    r = sb.run("import os; print('ok', os.getcwd().startswith(os.environ['HOME']))")
+    assert r.stdout == "ok True\n" and r.tier == "rlimit", r
+
+
+def test_rlimit_warns_loudly_once(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(rlimit_mod, "_WARNED", False)
+    with pytest.warns(RuntimeWarning, match="WITHOUT namespace isolation"):
+        RlimitSandbox()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RlimitSandbox()  # second time: silent
+    assert "WITHOUT namespace isolation" in caplog.text
+
+
+def test_python_boot_sets_limits_before_user_code() -> None:
+    boot = python_boot(Limits(memory_mb=100, max_open_files=33), nproc=7, source="pass", argv=["-c"])
+    r = subprocess.run([sys.executable, "-S", "-c", boot + "\nimport resource as r\n"
+                        "print(r.getrlimit(r.RLIMIT_NOFILE), r.getrlimit(r.RLIMIT_NPROC))"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.stdout == "(33, 33) (7, 7)\n", r.stderr
+
+
+# ----------------------------------------------------------------------- async, pool
+def test_arun_gathers_concurrently(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> list[ExecResult]:
+        return await asyncio.gather(*(bwrap_sandbox.arun(f"print({i} * 2)") for i in range(4)))
+
+    results = asyncio.run(main())
+    assert [r.stdout for r in results] == ["0\n", "2\n", "4\n", "6\n"]
+
+
+SLEEPER = "import time\nt0 = time.time()\ntime.sleep(0.4)\nprint(t0, time.time())\n"
+
+
+def _max_overlap(results: list[ExecResult]) -> int:
+    events = []
+    for r in results:
+        a, b = map(float, r.stdout.split())
+        events += [(a, 1), (b, -1)]
+    cur = best = 0
+    for _, d in sorted(events, key=lambda e: (e[0], e[1])):
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def test_pool_bounds_concurrency_sync(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    pool = SandboxPool(bwrap_sandbox, size=2)
+    results: list[ExecResult] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        r = pool.run(SLEEPER)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    assert all(r.ok for r in results), results
+    assert pool.max_in_flight == 2
+    assert _max_overlap(results) == 2  # measured inside the sandboxes, not by our counter
+    assert elapsed >= 3 * 0.4
+
+
+def test_pool_bounds_concurrency_async_and_map(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    with SandboxPool(bwrap_sandbox, size=3) as pool:
+        async def main() -> list[ExecResult]:
+            return await asyncio.gather(*(pool.arun(SLEEPER) for _ in range(7)))
+
+        results = asyncio.run(main())
+        assert all(r.ok for r in results) and _max_overlap(results) <= 3
+        assert pool.max_in_flight == 3
+        mapped = pool.map(["print(1)", {"code": "print(2)"}, {"argv": ["python", "-c", "print(3)"]}])
+        assert [r.stdout for r in mapped] == ["1\n", "2\n", "3\n"]
+        assert pool.tier == "bwrap" and pool.isolated
+
+
+# ------------------------------------------------------------------------- session
+@pytest.fixture(params=["bwrap", "rlimit"])
+def session_sandbox(request, bwrap_sandbox, rlimit_sandbox):  # type: ignore[no-untyped-def]
+    return bwrap_sandbox if request.param == "bwrap" else rlimit_sandbox
+
+
+def test_session_persistence_and_notebook_semantics(session_sandbox) -> None:  # type: ignore[no-untyped-def]
+    with PythonSession(session_sandbox) as py:
+        assert py.execute("x = 20\ndef f(y):\n    return x + y").text == ""
+        out = py.execute("print('side', flush=True)\nf(22)")
+        assert out.ok and out.text == "side\n42\n" and str(out) == out.text
+        assert py.execute("import math\nmath.sqrt(x * 5)").text == "10.0\n"
+        err = py.execute("import sys; print('to stderr', file=sys.stderr); import os; os.system('echo from child')")
+        assert "to stderr" in err.text and "from child" in err.text
+        assert py.tier == session_sandbox.tier
+
+
+def test_session_errors_keep_state(session_sandbox) -> None:  # type: ignore[no-untyped-def]
+    with PythonSession(session_sandbox) as py:
+        py.execute("keep = 'still here'")
+        e = py.execute("def g():\n    raise ValueError('boom')\ng()")
+        assert not e.ok and not e.restarted
+        assert 'File "<cell 2>", line 3' in e.text and "raise ValueError('boom')" in e.text
+        assert e.text.rstrip().endswith("ValueError: boom") and "_repl" not in e.text
+        assert "SyntaxError" in py.execute("def (:").text
+        assert "EOFError" in py.execute("input()").text  # stdin is not the protocol
+        assert "SystemExit: 3" in py.execute("import sys; sys.exit(3)").text
+        assert "MemoryError" in py.execute("b = bytearray(8 << 30)").text
+        assert py.execute("keep").text == "'still here'\n"
+        assert py.restarts == 0
+
+
+def test_session_timeout_restarts_with_message(session_sandbox) -> None:  # type: ignore[no-untyped-def]
+    with PythonSession(session_sandbox, limits=Limits(timeout_s=0.5, cpu_s=30, memory_mb=1024)) as py:
+        py.execute("state = 1")
+        t0 = time.monotonic()
+        out = py.execute("while True:\n    pass")
+        assert time.monotonic() - t0 < 0.5 + 2.0
+        assert out.timed_out and out.restarted and not out.ok
+        assert "0.5 s" in out.text and "restarted" in out.text
+        assert "NameError" in py.execute("state").text  # fresh interpreter
+        assert py.execute("1 + 1").text == "2\n"
+        assert py.execute("import time; time.sleep(3)", timeout_s=0.3).timed_out  # per-call override
+        assert py.restarts == 2
+
+
+def test_session_crash_restarts(session_sandbox) -> None:  # type: ignore[no-untyped-def]
+    with PythonSession(session_sandbox) as py:
+        py.execute("a = 1")
+        out = py.execute("import os; os._exit(7)")
+        assert out.restarted and not out.timed_out and "exit status 7" in out.text
+        seg = py.execute("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+        assert seg.restarted and "SIGSEGV" in seg.text
+        assert py.execute("a = 2; a").text == "2\n"
+
+
+def test_session_output_truncated_per_call(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    with PythonSession(bwrap_sandbox, limits=Limits(max_output_bytes=200, memory_mb=1024)) as py:
+        out = py.execute("print('H' * 1000 + 'TAIL')")
+        assert out.truncated and out.text.startswith("H" * 50) and out.text.endswith("TAIL\n")
+        assert "[actloop: output truncated" in out.text
+        assert not py.execute("print('short')").truncated
+
+
+def test_session_close_kills_sandbox_and_survives_spawning_thread(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    holder: list[PythonSession] = []
+
+    def start() -> None:
+        s = PythonSession(bwrap_sandbox)
+        s.start()
+        holder.append(s)
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()  # the thread that spawned the sandbox is gone
+    py = holder[0]
+    time.sleep(0.2)
+    assert py.execute("40 + 2").text == "42\n"
+    assert py._proc is not None
+    pid = py._proc.pid
+    py.close()
+    time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    with pytest.raises(SandboxError):
+        py.execute("1")
+
+
+def test_session_async(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> list[str]:
+        with PythonSession(bwrap_sandbox) as a, PythonSession(bwrap_sandbox) as b:
+            await asyncio.gather(a.aexecute("v = 'a'"), b.aexecute("v = 'b'"))
+            outs = await asyncio.gather(a.aexecute("v"), b.aexecute("v"))
+            return [o.text for o in outs]
+
+    assert asyncio.run(main()) == ["'a'\n", "'b'\n"]
+
+
+# ------------------------------------------------------------------------- factory
+def test_get_sandbox_auto_picks_bwrap_here(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    sb = get_sandbox()
+    assert isinstance(sb, BwrapSandbox) and sb.isolated
+    assert get_sandbox(require_isolation=True).tier == "bwrap"
+    pooled = get_sandbox(pool_size=2)
+    assert isinstance(pooled, SandboxPool) and pooled.size == 2
+
+
+def test_get_sandbox_fallback_and_require_isolation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    down = TierStatus("bwrap", False, True, "simulated: user namespaces disabled")
+    monkeypatch.setattr(factory, "probe_bwrap", lambda python=None: down)
+    monkeypatch.setattr(rlimit_mod, "_WARNED", False)
+    with pytest.warns(RuntimeWarning, match="simulated: user namespaces disabled"):
+        sb = get_sandbox()
+    assert isinstance(sb, RlimitSandbox) and not sb.isolated
+    assert sb.run("print('fallback')").tier == "rlimit"
+    with pytest.raises(IsolationUnavailableError, match="simulated"):
+        get_sandbox(require_isolation=True)
+    with pytest.raises(SandboxError):
+        get_sandbox("bwrap")
+
+
+def test_get_sandbox_explicit_backends() -> None:
+    with pytest.raises(IsolationUnavailableError):
+        get_sandbox("rlimit", require_isolation=True)
+    with pytest.raises(ValueError):
+        get_sandbox("firecracker")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert get_sandbox("rlimit").tier == "rlimit"
+
+
+# ---------------------------------------------------------------------------- docker
+def test_docker_command_line_has_the_isolation_flags() -> None:
+    sb = DockerSandbox(check=False)
+    cmd = sb.command("actloop-sbx-test", Limits(memory_mb=256, max_procs=32, tmpfs_mb=16, timeout_s=5))
+    joined = " ".join(cmd)
+    for flag in ("--network none", "--memory 256m", "--memory-swap 256m", "--pids-limit 32",
+                 "--read-only", "--cap-drop ALL", "--security-opt no-new-privileges",
+                 "--user 65534:65534", "--rm", "--name actloop-sbx-test", "--pull never",
+                 "--ulimit cpu=5:6", "size=16m"):
+        assert flag in joined, flag
+    assert "--tmpfs" in cmd and any(c.startswith("/work:") for c in cmd)
+    assert not any(c.startswith("HOSTNAME=") or c.startswith("USER=") for c in cmd)
+
+
+def test_docker_header_roundtrip_through_the_boot() -> None:
+    # The preamble that unpacks files inside the container, exercised on the host.
+    from actloop.sandbox.docker import _BOOT
+
+    sb = DockerSandbox(check=False)
+    header = sb._header(["python3", "-c", "import sys; print(open('d/x.txt').read(), sys.stdin.read())"],
+                        {"d/x.txt": b"file-content"})
+    cwd = os.path.join(os.path.dirname(__file__), "_docker_boot_tmp")
+    os.makedirs(cwd, exist_ok=True)
+    try:
+        r = subprocess.run([sys.executable, "-S", "-c", _BOOT], input=header + b"rest-of-stdin",
+                           capture_output=True, cwd=cwd, timeout=30,
+                           env={"PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"})
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)
+    assert r.stdout == b"file-content rest-of-stdin\n", r.stderr
+
+
+docker_ok, docker_why = docker_available()
+
+
+@pytest.mark.skipif(not docker_ok, reason=f"no Docker daemon: {docker_why}")
+def test_docker_real_run() -> None:  # pragma: no cover - needs a daemon
+    sb = DockerSandbox()
+    r = sb.run("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), 1)\n"
+               "    print('NET')\nexcept OSError:\n    print('no net')", files={"a.txt": "x"})
+    assert r.stdout == "no net\n" and r.tier == "docker"
+    assert sb.run("import time; time.sleep(30)", limits=Limits(timeout_s=2)).timed_out
+
+
+# ------------------------------------------------------------------------------- CLI
+runner = CliRunner()
+
+
+def test_cli_run_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prog = tmp_path / "p.py"
+    prog.write_text("import sys\nprint('hi', sys.stdin.read())\nsys.exit(4)\n")
+    stdin = tmp_path / "in.txt"
+    stdin.write_text("there")
+    res = runner.invoke(app, ["run", str(prog), "--json", "--timeout", "5", "--memory-mb", "256",
+                              "--stdin", str(stdin)])
+    assert res.exit_code == 4, res.output
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1
+    data = json.loads(lines[0])
+    assert data["stdout"] == "hi there\n" and data["exit_code"] == 4 and data["tier"] == "bwrap"
+    assert set(data) >= {"stdout", "stderr", "exit_code", "timed_out", "oom", "duration_s", "tier"}
+
+
+def test_cli_run_plain_and_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prog = tmp_path / "slow.py"
+    prog.write_text("print('start', flush=True)\nimport time\ntime.sleep(10)\n")
+    res = runner.invoke(app, ["run", str(prog), "--timeout", "0.5"])
+    assert res.exit_code == 137
+    assert "start" in res.stdout
+    assert "timed_out" in res.output and "tier=bwrap" in res.output
+
+
+def test_cli_require_isolation_refuses_rlimit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prog = tmp_path / "p.py"
+    prog.write_text("print(1)\n")
+    res = runner.invoke(app, ["run", str(prog), "--backend", "rlimit", "--require-isolation"])
+    assert res.exit_code == 2 and "require_isolation" in res.output
+
+
+def test_cli_doctor() -> None:
+    res = runner.invoke(app, ["doctor", "--no-docker"])
+    assert res.exit_code == 0, res.output
+    assert "bwrap" in res.output and "rlimit" in res.output and "auto ->" in res.output
