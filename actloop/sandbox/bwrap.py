@@ -36,6 +36,7 @@ bounded per process by RLIMIT_CPU and overall by the wall-clock watchdog.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -112,7 +113,7 @@ class _UsernsSlots:
     def __init__(self, uid_base: int = 62000, count: int = 512) -> None:
         self._next = uid_base
         self._end = uid_base + count
-        self._free: list[_Slot] = []
+        self._free: collections.deque[_Slot] = collections.deque()  # FIFO: a slot rests between runs
         self._lock = threading.Lock()
         tools = {t: shutil.which(t) for t in ("setpriv", "unshare", "nsenter")}
         missing = [t for t, p in tools.items() if not p]
@@ -123,7 +124,7 @@ class _UsernsSlots:
     def acquire(self, bwrap: str) -> _Slot:
         with self._lock:
             if self._free:
-                return self._free.pop()
+                return self._free.popleft()
             if self._next >= self._end:
                 raise SandboxError("no free sandbox uid (too many concurrent sandboxes)")
             uid = self._next

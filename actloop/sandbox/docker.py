@@ -2,7 +2,7 @@
 
 Each run is ``docker run --rm`` of a throw-away container with:
 ``--network none``; a cgroup memory limit (``--memory`` = ``--memory-swap``, so no swap),
-``--pids-limit``, ``--cpus``; ``--read-only`` root with a size-capped tmpfs at ``/work``
+``--pids-limit``, ``--cpus``; ``--read-only`` root with a size-capped tmpfs at ``/sandbox``
 (``TMPDIR`` points there) and a small ``/dev/shm``; ``--cap-drop ALL``,
 ``no-new-privileges``, uid 65534; rlimits via ``--ulimit`` (CPU time, open files, file
 size); no host environment (only the variables we pass).
@@ -41,7 +41,7 @@ from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_fil
 log = logging.getLogger("actloop.sandbox")
 
 DEFAULT_IMAGE = "python:3.11-slim"
-WORKDIR = "/work"
+WORKDIR = "/sandbox"
 
 # Reads "<n>\n" + n bytes of JSON {"files": [[path, b64]], "argv": [...]} from fd 0 without
 # reading past it, writes the files, then execs argv on the remaining stdin.

@@ -416,7 +416,7 @@ def test_docker_command_line_has_the_isolation_flags() -> None:
                  "--user 65534:65534", "--rm", "--name actloop-sbx-test", "--pull never",
                  "--ulimit cpu=5:6", "size=16m"):
         assert flag in joined, flag
-    assert "--tmpfs" in cmd and any(c.startswith("/work:") for c in cmd)
+    assert "--tmpfs" in cmd and any(c.startswith("/sandbox:") for c in cmd)
     assert not any(c.startswith("HOSTNAME=") or c.startswith("USER=") for c in cmd)
 
 
