@@ -27,6 +27,8 @@ import pytest
 
 from actloop.sandbox import ExecResult, Limits
 
+from conftest import make_sandbox  # noqa: E402  (tests/sandbox/conftest.py)
+
 # Small limits keep the suite fast on 2 shared cores (conftest builds the sandboxes with them).
 ATTACK_LIMITS = Limits(timeout_s=1.5, max_procs=32, memory_mb=256, tmpfs_mb=8, max_output_bytes=4096)
 
@@ -81,6 +83,10 @@ def procs_with(marker: str) -> list[tuple[int, str]]:
     return found
 
 
+def numeric_marker() -> str:
+    return str(uuid.uuid4().int)[:18]
+
+
 def wait_gone(marker: str, within: float = 1.0) -> list[tuple[int, str]]:
     deadline = time.monotonic() + within
     while True:
@@ -116,6 +122,7 @@ def test_fork_bomb(sandbox, variant) -> None:  # type: ignore[no-untyped-def]
 def test_thread_bomb(sandbox, variant) -> None:  # type: ignore[no-untyped-def]
     code = (
         "import threading, time\n"
+        "threading.stack_size(64 * 1024)  # small stacks: the process limit must bind, not memory\n"
         "n = 0\n"
         "try:\n"
         "    while True:\n"
@@ -305,9 +312,10 @@ def test_write_outside_workdir(sandbox, variant, tmp_path) -> None:  # type: ign
     assert leaked == [], f"files written on the host: {leaked}\n{res.stdout}"
 
 
-def test_env_secret(sandbox, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_env_secret(variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     secret = f"tok-{uuid.uuid4().hex}"
     monkeypatch.setenv("ACTLOOP_TEST_SECRET", secret)
+    sandbox = make_sandbox(variant)  # built after the secret exists, so construction can leak it too
     code = (
         "import os, sys\n"
         "print(dict(os.environ))\n"
@@ -364,7 +372,7 @@ if os.fork() == 0:
                 os.dup2(fd, i)
         # one daemon execs a program carrying the marker, the other stays Python
         if os.fork() == 0:
-            os.execv("/bin/sleep", ["sleep", "1000", marker])
+            os.execv("/bin/sleep", ["sleep", f"1000.{marker}"])
         while True:
             time.sleep(0.1)
     os._exit(0)
@@ -374,7 +382,7 @@ print("parent leaving", flush=True)
 
 @pytest.mark.parametrize("stdout_mode", ["detached", "keep"])
 def test_daemons_do_not_outlive_run(sandbox, variant, stdout_mode) -> None:  # type: ignore[no-untyped-def]
-    marker = f"daemon-{uuid.uuid4().hex}"
+    marker = numeric_marker()  # sleep(1) only accepts numbers
     res, wall = timed(sandbox.run, argv=["python", "d.py", marker, stdout_mode], files={"d.py": DAEMON})
     assert_back_in_time(res, wall)
     assert "parent leaving" in res.stdout
@@ -388,8 +396,8 @@ def test_daemons_do_not_outlive_run(sandbox, variant, stdout_mode) -> None:  # t
 
 def test_host_processes_invisible(sandbox, variant) -> None:  # type: ignore[no-untyped-def]
     contained_or_skip(variant, "host_procs")
-    marker = f"hostproc-{uuid.uuid4().hex}"
-    host = subprocess.Popen(["sleep", "30", marker])
+    marker = numeric_marker()
+    host = subprocess.Popen(["sleep", f"30.{marker}"])
     try:
         code = (
             "import os\n"
