@@ -158,6 +158,7 @@ class Sandbox(Protocol):
 
     tier: str
     isolated: bool
+    limits: Limits
 
     def run(
         self,

@@ -223,6 +223,8 @@ class BwrapSandbox(AsyncMixin):
             raise SandboxError(f"interpreter {self.python!r} does not exist")
         self._python_cmd = [self.python] if site_packages else [self.python, "-S"]
         feats = _bwrap_features(self.bwrap)
+        if "--size" not in feats:
+            raise SandboxError(f"{self.bwrap} is too old to cap a tmpfs (--size needs bubblewrap >= 0.5)")
         # Root hosts use pre-made user namespaces (see _UsernsSlots); others let bwrap
         # create one, mapping the sandbox to their own (unprivileged) uid.
         self._slots = _slots() if os.geteuid() == 0 else None
@@ -244,6 +246,8 @@ class BwrapSandbox(AsyncMixin):
             a += [self.bwrap, "--unshare-user"]
             if "--disable-userns" in feats:
                 a.append("--disable-userns")
+            else:
+                log.info("bubblewrap < 0.8: nested user namespaces stay possible inside the sandbox")
             a += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         else:
             a += ["--uid", str(SANDBOX_UID)]  # the gid comes from setpriv (bwrap sets uid first)

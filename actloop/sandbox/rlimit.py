@@ -15,7 +15,9 @@ What it does:
   RLIMIT_NPROC counts only this run's processes, the program cannot read ``/root`` or other
   0700 places, cannot signal host processes, and after the run every process of that uid is
   killed at once (``kill -9 -1`` as that uid) — daemons and double-forked orphans included —
-  and files it left in ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are removed.
+  and files it left in ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are removed. That uid must be
+  able to read the interpreter: if yours lives below a 0700 directory (e.g. pyenv in
+  /root), a system ``python3.X`` is used instead (logged), or pass ``python=``.
 
 What it does NOT protect against (mark these as known limitations; the attack suite skips
 them for this tier with these reasons):
@@ -34,6 +36,7 @@ Use the bwrap or Docker tier for anything you would not run in your own shell.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -75,21 +78,42 @@ def warn_once(reason: str) -> None:
 
 
 class _UidPool:
-    """Hands out throw-away uids so concurrent runs never share one (nor its NPROC count)."""
+    """Hands out throw-away uids so concurrent runs never share one (nor its NPROC count).
+
+    Several host processes may use this tier at once, and the post-run sweep kills every
+    process of a uid, so a uid that owns any process right now is skipped, and each host
+    process starts at a different place in the range.
+    """
 
     def __init__(self, base: int, count: int) -> None:
-        self._free = list(range(base, base + count))
+        start = os.getpid() % count
+        self._free = collections.deque([*range(base + start, base + count), *range(base, base + start)])
         self._lock = threading.Lock()
 
     def acquire(self) -> int:
         with self._lock:
-            if not self._free:
-                raise SandboxError("no free sandbox uid (too many concurrent runs)")
-            return self._free.pop(0)
+            busy = _uids_with_processes()
+            for _ in range(len(self._free)):
+                uid = self._free.popleft()
+                if uid not in busy:
+                    return uid
+                self._free.append(uid)
+            raise SandboxError("no free sandbox uid (too many concurrent runs)")
 
     def release(self, uid: int) -> None:
         with self._lock:
             self._free.append(uid)  # least recently used first: zombies get time to be reaped
+
+
+def _uids_with_processes() -> set[int]:
+    uids = set()
+    for e in os.scandir("/proc"):
+        if e.name.isdigit():
+            try:
+                uids.add(e.stat().st_uid)
+            except OSError:
+                pass
+    return uids
 
 
 def _count_tasks_of(uid: int) -> int:
