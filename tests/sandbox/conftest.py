@@ -18,7 +18,7 @@ def _variants() -> list[str]:
     return ["bwrap", "rlimit"]
 
 
-def make_sandbox(variant: str) -> BwrapSandbox | RlimitSandbox:
+def _make_sandbox(variant: str) -> BwrapSandbox | RlimitSandbox:
     """Build the sandbox for a variant, or skip with the reason it cannot exist here."""
     if variant == "bwrap":
         status = probe_bwrap()
@@ -43,7 +43,13 @@ def variant(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def sandbox(variant: str) -> BwrapSandbox | RlimitSandbox:
-    return make_sandbox(variant)
+    return _make_sandbox(variant)
+
+
+@pytest.fixture
+def make_sandbox():  # type: ignore[no-untyped-def]
+    """Build a fresh sandbox of a variant inside a test (e.g. after changing os.environ)."""
+    return _make_sandbox
 
 
 @pytest.fixture(scope="session")

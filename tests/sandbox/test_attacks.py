@@ -27,8 +27,6 @@ import pytest
 
 from actloop.sandbox import ExecResult, Limits
 
-from conftest import make_sandbox  # noqa: E402  (tests/sandbox/conftest.py)
-
 # Small limits keep the suite fast on 2 shared cores (conftest builds the sandboxes with them).
 ATTACK_LIMITS = Limits(timeout_s=1.5, max_procs=32, memory_mb=256, tmpfs_mb=8, max_output_bytes=4096)
 
@@ -312,7 +310,7 @@ def test_write_outside_workdir(sandbox, variant, tmp_path) -> None:  # type: ign
     assert leaked == [], f"files written on the host: {leaked}\n{res.stdout}"
 
 
-def test_env_secret(variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_env_secret(variant, make_sandbox, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     secret = f"tok-{uuid.uuid4().hex}"
     monkeypatch.setenv("ACTLOOP_TEST_SECRET", secret)
     sandbox = make_sandbox(variant)  # built after the secret exists, so construction can leak it too
