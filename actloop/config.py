@@ -63,8 +63,8 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    max_new_tokens: int = opt(96, "Most tokens the policy may sample in one assistant turn.")
-    temperature: float = opt(1.0, "Sampling temperature during training rollouts (log-probs use it too).")
+    max_new_tokens: int = opt(48, "Most tokens the policy may sample in one assistant turn.")
+    temperature: float = opt(0.8, "Sampling temperature during training rollouts (log-probs use it too).")
     top_p: float = opt(1.0, "Nucleus sampling during training rollouts (1.0 = off).")
     max_turns: int = opt(3, "Most assistant turns in one episode before it is cut off.")
     engine: str = opt("hf", "Generation engine: `hf` (transformers generate with a KV cache).")
@@ -72,10 +72,10 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(40, "Optimizer steps (one rollout batch each).")
-    prompts_per_step: int = opt(8, "Distinct prompts per step.")
+    steps: int = opt(16, "Optimizer steps (one rollout batch each).")
+    prompts_per_step: int = opt(4, "Distinct prompts per step.")
     group_size: int = opt(8, "Trajectories sampled per prompt (G in GRPO).")
-    lr: float = opt(5e-6, "AdamW learning rate.")
+    lr: float = opt(2e-5, "AdamW learning rate.")
     beta: float = opt(0.0, "KL-to-reference coefficient (k3 estimator); 0 skips the reference model.")
     clip_eps: float = opt(0.2, "PPO/GRPO ratio clip range.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
@@ -105,6 +105,10 @@ class LoraConfig:
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters.",
     )
+
+
+# The defaults are the demo recipe (`actloop train` with no arguments): GRPO on the calculator
+# task with the embedded model, sized for a 2-core CPU (about 25 s a step there).
 
 
 @dataclass
