@@ -1,0 +1,98 @@
+"""Graded tasks: where their rows are, which row an id names, their rubric and gold answers.
+
+    rubric_for("mbpp").score(trajectories)        # tests in the sandbox + hack detectors
+    rubric_for("gsm8k").validate(rows, gold_completion("gsm8k"))
+
+Data lives in ``$ACTLOOP_DATA_DIR`` (default: ``<repo>/../shared/data``): ``gsm8k/test.jsonl``
+and ``mbpp/mbpp.jsonl``. Full reward is 1.0 for every task here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+from actloop.rewards.base import RewardError
+from actloop.rewards.code import CodeGrader, mbpp_gold_completion
+from actloop.rewards.flags import Policy
+from actloop.rewards.hacking import CODE_DETECTORS, MATH_DETECTORS
+from actloop.rewards.instructions import instructions_reward
+from actloop.rewards.math import gsm8k_gold_completion, math_correct
+from actloop.rewards.rubric import RewardTerm, Rubric
+
+TASKS = ("gsm8k", "mbpp", "instructions")
+DEFAULT_FILES = {"gsm8k": "gsm8k/test.jsonl", "mbpp": "mbpp/mbpp.jsonl"}
+ID_FIELD = {"mbpp": "task_id"}  # otherwise the 0-based line index
+
+
+def data_dir() -> Path:
+    """``$ACTLOOP_DATA_DIR``, else ``../shared/data`` beside the repository."""
+    env = os.environ.get("ACTLOOP_DATA_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def _check(task: str) -> None:
+    if task not in TASKS:
+        raise RewardError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+
+
+def load_rows(task: str, path: Path | str | None = None) -> list[dict[str, Any]]:
+    """Every row of a task's JSONL file (`path`, or the task's default file in `data_dir()`)."""
+    _check(task)
+    if path is None:
+        if task not in DEFAULT_FILES:
+            raise RewardError(f"task {task!r} has no default data file: pass --data PATH")
+        path = data_dir() / DEFAULT_FILES[task]
+    path = Path(path)
+    if not path.exists():
+        raise RewardError(f"data file {path} does not exist (set ACTLOOP_DATA_DIR or pass --data)")
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise RewardError(f"{path}:{n}: not JSON: {e}") from None
+    return rows
+
+
+def find_row(task: str, id: int, path: Path | str | None = None) -> dict[str, Any]:
+    """The row `id` names: its `task_id` where the task has one (MBPP), else its 0-based index."""
+    rows = load_rows(task, path)
+    key = ID_FIELD.get(task)
+    if key and any(key in r for r in rows):
+        for r in rows:
+            if r.get(key) == id:
+                return r
+        raise RewardError(f"no {task} row with {key} {id}")
+    if not 0 <= id < len(rows):
+        raise RewardError(f"{task} has rows 0..{len(rows) - 1}; got --id {id}")
+    return rows[id]
+
+
+def rubric_for(task: str, policies: Mapping[str, Policy | str] | None = None, **grader_kw: Any) -> Rubric:
+    """The task's rubric: its grader (weight 1, full marks 1.0) and its hack detectors."""
+    _check(task)
+    if task == "gsm8k":
+        return Rubric([RewardTerm("correct", math_correct)], detectors=MATH_DETECTORS, policies=dict(policies or {}),
+                      success_component="correct", success_threshold=1.0)
+    if task == "mbpp":
+        return Rubric([RewardTerm("tests", CodeGrader(**grader_kw))], detectors=CODE_DETECTORS,
+                      policies=dict(policies or {}), success_component="tests",
+                      success_threshold=1.0)
+    return Rubric([RewardTerm("instructions", instructions_reward(**grader_kw))], policies=dict(policies or {}),
+                  success_component="instructions", success_threshold=1.0)
+
+
+def gold_completion(task: str) -> Callable[[Mapping[str, Any]], str]:
+    """A function row -> the row's reference answer, written as a model would answer."""
+    _check(task)
+    if task == "gsm8k":
+        return gsm8k_gold_completion
+    if task == "mbpp":
+        return mbpp_gold_completion
+    raise RewardError("instruction rows have no gold answer")
