@@ -162,8 +162,9 @@ def apply_policies(
 
 def call_graded(
     fn: RewardFunc, trajectories: list[Trajectory], mode: str = "final"
-) -> tuple[list[float | None], list[tuple[Flag, ...]]]:
-    """`call_reward_func`, but items may be `Grade`s: returns (scores, flags per completion).
+) -> tuple[list[float | None], list[Grade | None]]:
+    """`call_reward_func`, but items may be `Grade`s: returns (scores, the Grade of each
+    completion, None where the function returned a plain number).
 
     The function is called exactly as TRL would call it (same columns, same signature
     inspection, async allowed); its `Grade`s are unpacked on the way out."""
@@ -186,8 +187,7 @@ def call_graded(
         return unpack(out)
 
     scores = call_reward_func(shim, trajectories, mode)
-    flags = [tuple(v.flags) if isinstance(v, Grade) else () for v in got]
-    return scores, flags
+    return scores, [v if isinstance(v, Grade) else None for v in got]
 
 
 Detector = Callable[[str, Mapping[str, Any]], list[Flag]]

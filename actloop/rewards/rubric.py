@@ -42,15 +42,20 @@ class Rubric:
     default_policy: Policy | str = "zero"  # for flags not named in `policies`
     flag_counts: Counter = field(default_factory=Counter)  # flag name -> times raised, all batches
 
-    def score(self, trajectories: list[Trajectory]) -> list[Scored]:
+    def score(self, trajectories: list[Trajectory], details: list[dict[str, Any]] | None = None) -> list[Scored]:
+        """Score a batch. Pass a list as `details` to receive, per trajectory, each term's
+        `Grade.info` (pass counts, per-test results, ...)."""
         values: dict[str, list[float | None]] = {}
         term_flags: list[list[Flag]] = [[] for _ in trajectories]
+        infos: list[dict[str, Any]] = [{} for _ in trajectories]
         failed = False
         for term in self.terms:
             try:
-                values[term.name], flags = call_graded(term.func, trajectories, self.completion)
-                for i, fs in enumerate(flags):
-                    term_flags[i] += [as_flag(f, term.name) for f in fs]
+                values[term.name], grades = call_graded(term.func, trajectories, self.completion)
+                for i, g in enumerate(grades):
+                    if g is not None:
+                        term_flags[i] += [as_flag(f, term.name) for f in g.flags]
+                        infos[i][term.name] = dict(g.info)
             except Exception:
                 self.errors.append(f"{term.name}: {traceback.format_exc(limit=4)}")
                 failed = True
@@ -77,6 +82,8 @@ class Rubric:
                     masked=failed or traj.error is not None or applied.masked,
                 )
             )
+        if details is not None:
+            details[:] = infos
         return out
 
     def _detect(self, traj: Trajectory) -> list[Flag]:

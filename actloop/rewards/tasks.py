@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 from actloop.rewards.base import RewardError
 from actloop.rewards.code import CodeGrader, mbpp_gold_completion
-from actloop.rewards.flags import Policy
-from actloop.rewards.hacking import CODE_DETECTORS, MATH_DETECTORS
+from actloop.rewards.flags import Flag, Policy
+from actloop.rewards.hacking import CODE_DETECTORS
 from actloop.rewards.instructions import instructions_reward
 from actloop.rewards.math import gsm8k_gold_completion, math_correct
-from actloop.rewards.rubric import RewardTerm, Rubric
+from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
 
 TASKS = ("gsm8k", "mbpp", "instructions")
 DEFAULT_FILES = {"gsm8k": "gsm8k/test.jsonl", "mbpp": "mbpp/mbpp.jsonl"}
@@ -78,7 +78,9 @@ def rubric_for(task: str, policies: Mapping[str, Policy | str] | None = None, **
     """The task's rubric: its grader (weight 1, full marks 1.0) and its hack detectors."""
     _check(task)
     if task == "gsm8k":
-        return Rubric([RewardTerm("correct", math_correct)], detectors=MATH_DETECTORS, policies=dict(policies or {}),
+        # math_correct raises the spray / hedge / conflict flags itself; MATH_DETECTORS are for
+        # wrapping other maths rewards (see the blog example in docs/rewards.md)
+        return Rubric([RewardTerm("correct", math_correct)], policies=dict(policies or {}),
                       success_component="correct", success_threshold=1.0)
     if task == "mbpp":
         return Rubric([RewardTerm("tests", CodeGrader(**grader_kw))], detectors=CODE_DETECTORS,
@@ -96,3 +98,28 @@ def gold_completion(task: str) -> Callable[[Mapping[str, Any]], str]:
     if task == "mbpp":
         return mbpp_gold_completion
     raise RewardError("instruction rows have no gold answer")
+
+
+def grade_one(task: str, row: Mapping[str, Any], completion: str,
+              policies: Mapping[str, Policy | str] | None = None) -> dict[str, Any]:
+    """Grade one completion against one row with the task's rubric: a JSON-ready record
+    ``{"reward", "components", "flags": [{name, evidence, source, action}], "passed", "total",
+    "success", "masked", "details"}``. `passed` / `total` count tests (code), constraints
+    (instructions), or the one answer (maths)."""
+    rubric = rubric_for(task, policies)
+    details: list[dict[str, Any]] = []
+    (scored,) = rubric.score([text_trajectory(completion, row)], details=details)
+    info = next((i for i in details[0].values() if "passed" in i and "total" in i), None)
+    passed, total = (info["passed"], info["total"]) if info else (int(scored.success), 1)
+    return {
+        "task": task,
+        "reward": scored.reward,
+        "components": scored.components,
+        "flags": [f.to_dict() if isinstance(f, Flag) else {"name": str(f)} for f in scored.flags],
+        "passed": passed,
+        "total": total,
+        "success": scored.success,
+        "masked": scored.masked,
+        "errors": rubric.errors,
+        "details": details[0],
+    }
