@@ -244,45 +244,12 @@ def to_result(c: Collected, tier: str, *, oom_exit_137: bool = False) -> ExecRes
     )
 
 
-def prlimit_args(limits: Limits, *, nproc: int | None) -> list[str]:
-    """util-linux `prlimit` flags for `limits`. `prlimit` sets the limits on itself and
-    execs the program: one tiny exec instead of a `preexec_fn` (which forces a full fork
-    of the host process and is unsafe with threads)."""
-    cpu = limits.cpu_seconds
-    mb = 1024 * 1024
-    args = [
-        f"--cpu={cpu}:{cpu + 1}",
-        f"--as={limits.memory_mb * mb}",
-        f"--nofile={limits.max_open_files}",
-        f"--fsize={limits.max_file_mb * mb}",
-        "--core=0",
-    ]
-    if nproc is not None:
-        args.append(f"--nproc={nproc}")
-    return args
-
-
-def python_boot(
-    limits: Limits,
-    *,
-    nproc: int | None,
-    script: str | None = None,
-    source: str | None = None,
-    argv: Sequence[str] = (),
-    path0: str = "",
-) -> str:
-    """A ``python -c`` preamble that sets the rlimits and then runs `script` (or `source`)
-    as ``__main__``, like ``python script.py`` would.
-
-    It replaces the `prlimit` exec for Python programs, saving ~1 ms per run. The limits
-    are set before any untrusted byte runs and with hard == soft, so the program cannot
-    raise them again: the kernel enforces them exactly as if prlimit had set them. The
-    preamble's own traceback frame is hidden so errors read like a plain script run.
-    """
+def rlimit_list(limits: Limits, *, nproc: int | None) -> list[tuple[str, int, int]]:
+    """(name, soft, hard) for every rlimit a sandboxed program gets."""
     mb = 1024 * 1024
     cpu = limits.cpu_seconds
     lims = [
-        ("CPU", cpu, cpu + 1),
+        ("CPU", cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL one second later
         ("AS", limits.memory_mb * mb, limits.memory_mb * mb),
         ("NOFILE", limits.max_open_files, limits.max_open_files),
         ("FSIZE", limits.max_file_mb * mb, limits.max_file_mb * mb),
@@ -290,21 +257,149 @@ def python_boot(
     ]
     if nproc is not None:
         lims.append(("NPROC", nproc, nproc))
-    setl = ";".join(f"R.setrlimit(R.RLIMIT_{n},({s},{h}))" for n, s, h in lims)
-    if script is not None:
-        target = f"__file__={script!r}\nexec(compile(open(__file__,'rb').read(),__file__,'exec'))\n"
+    return lims
+
+
+# The program every sandbox starts: ``python -S -c INIT``. It forks; the child sets the
+# rlimits (hard == soft, so they cannot be raised again) and runs the program — a Python
+# script or source *in-process* (no second interpreter start-up, no `prlimit` exec),
+# anything else by exec; the parent stays behind as the run's init: it reaps whatever the
+# program orphans and, when the program exits, exits with its status (128 + N for signal N).
+#
+# Why our own init: under bwrap it runs as the sandbox's pid 1 (``--as-pid-1``), so bwrap
+# needs no reaper of its own. bwrap's reaper outlives bwrap's exit by a moment and is
+# re-parented to the host's pid 1; in a container whose pid 1 does not reap (a trainer
+# started as ``python train.py``) each run would leave a zombie that keeps counting
+# against the sandbox uid's RLIMIT_NPROC. In the rlimit tier the init is a child
+# subreaper, so orphans come back to it instead of to the host's pid 1, and it kills
+# every leftover of the run's uid before it exits.
+_INIT = r"""
+import os, sys, signal
+S = %(spec)r
+if S["subreaper"]:
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_s, signal.SIG_IGN)
+_child = os.fork()
+if _child == 0:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for _s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_s, signal.SIG_DFL)
+    import resource
+    for _n, _soft, _hard in S["limits"]:
+        resource.setrlimit(getattr(resource, "RLIMIT_" + _n), (_soft, _hard))
+    if S["exec"]:
+        try:
+            os.execvp(S["exec"][0], S["exec"])
+        except OSError as _e:
+            os.write(2, ("%%s: %%s\n" %% (S["exec"][0], _e.strerror)).encode())
+            os._exit(127)
+    sys.argv[:] = S["argv"]
+    sys.path[0] = S["path0"]
+    def _hook(t, v, b, h=sys.__excepthook__):
+        if b is not None and b.tb_frame.f_code.co_filename == "<string>":
+            b = b.tb_next
+        h(t, v.with_traceback(b), b)
+    sys.excepthook = _hook
+    if S["source"] is not None:
+        _code = compile(S["source"], "<string>", "exec")
     else:
-        assert source is not None
-        target = f"exec(compile({source!r},'<string>','exec'))\n"
-    return (
-        f"import resource as R,sys\n{setl}\n"
-        f"sys.argv[:]={list(argv)!r};sys.path[0]={path0!r}\n"
-        "def _h(t,v,b,h=sys.__excepthook__):\n"
-        " if b is not None and b.tb_frame.f_code.co_filename=='<string>':b=b.tb_next\n"
-        " h(t,v.with_traceback(b),b)\n"
-        "sys.excepthook=_h\n"
-        "del R,sys,_h\n" + target
-    )
+        __file__ = S["script"]
+        with open(__file__, "rb") as _f:
+            _code = compile(_f.read(), __file__, "exec")
+        del _f
+    del os, sys, signal, S, resource, _s, _child, _n, _soft, _hard, _hook
+    exec(_code)
+else:
+    for _fd in (0, 1, 2):
+        os.close(_fd)
+    _status = 0
+    while True:
+        try:
+            _pid, _st = os.wait()
+        except ChildProcessError:
+            break
+        if _pid == _child:
+            _status = _st
+            break
+    if S["sweep"]:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+    _rc = os.waitstatus_to_exitcode(_status)
+    os._exit(128 - _rc if _rc < 0 else _rc)
+"""
+
+
+def python_init(
+    limits: Limits,
+    *,
+    nproc: int | None,
+    script: str | None = None,
+    source: str | None = None,
+    exec_argv: Sequence[str] | None = None,
+    argv: Sequence[str] = (),
+    path0: str = "",
+    subreaper: bool = False,
+    sweep: bool = False,
+) -> str:
+    """Source of the init program (see `_INIT`) for one run.
+
+    Exactly one of `script` (path of a Python file), `source` (Python source) or
+    `exec_argv` (a command to exec) says what to run. `argv` becomes ``sys.argv`` and
+    `path0` ``sys.path[0]`` for in-process Python. `sweep`: kill every other process of
+    this uid when the program exits (rlimit tier, where a uid belongs to one run).
+    """
+    if sum(x is not None for x in (script, source, exec_argv)) != 1:
+        raise ValueError("exactly one of script, source, exec_argv")
+    spec = {
+        "limits": rlimit_list(limits, nproc=nproc),
+        "script": script,
+        "source": source,
+        "exec": list(exec_argv) if exec_argv is not None else None,
+        "argv": list(argv),
+        "path0": path0,
+        "subreaper": subreaper,
+        "sweep": sweep,
+    }
+    return _INIT % {"spec": spec}
+
+
+def init_command(
+    python_cmd: Sequence[str],
+    argv: Sequence[str],
+    workdir: str,
+    limits: Limits,
+    *,
+    nproc: int | None,
+    subreaper: bool = False,
+    sweep: bool = False,
+) -> list[str]:
+    """``python -S -c INIT`` for a run of `argv`. ``argv[0] == "python"`` means the
+    sandbox's interpreter: ``python FILE ...`` and ``python -c SRC ...`` run in-process,
+    other interpreter flags re-exec it; anything else is exec'd from ``PATH``."""
+    what: dict[str, object]
+    if argv[0] == "python" and len(argv) >= 2 and not argv[1].startswith("-"):
+        script = argv[1] if argv[1].startswith("/") else f"{workdir}/{argv[1]}"
+        what = {"script": script, "argv": list(argv[1:]), "path0": os.path.dirname(script)}
+    elif argv[0] == "python" and len(argv) >= 3 and argv[1] == "-c":
+        what = {"source": argv[2], "argv": ["-c", *argv[3:]], "path0": workdir}
+    elif argv[0] == "python":
+        what = {"exec_argv": [*python_cmd, *argv[1:]]}
+    else:
+        what = {"exec_argv": list(argv)}
+    init = python_init(limits, nproc=nproc, subreaper=subreaper, sweep=sweep, **what)  # type: ignore[arg-type]
+    return [*python_cmd, "-c", init]
 
 
 def sandbox_env(

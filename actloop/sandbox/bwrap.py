@@ -11,7 +11,8 @@ What the program sees:
   ``HOME``; ``/tmp`` links to it (unless you bind something below ``/tmp``; ``TMPDIR``
   points there either way). ``/dev/shm`` is a second, small tmpfs (a quarter of that size) so
   `multiprocessing` locks work. The root, ``/dev`` and ``/proc`` are remounted read-only.
-- its own ``/proc``: only its own processes (pid 1 is bwrap's reaper).
+- its own ``/proc``: only its own processes; pid 1 is our init (`_proc.init_command`),
+  which reaps orphans and exits with the program's status.
 - a loopback interface in an empty network namespace: no route anywhere, not even to the
   host's 127.0.0.1.
 - an environment built from scratch (`_proc.sandbox_env`): no host variables.
@@ -23,7 +24,8 @@ What the program sees:
 Limits: rlimits (CPU, address space, processes, open files, file size) are set inside the
 sandbox before the program starts, the tmpfs has a size, and a host-side watchdog SIGKILLs
 bwrap at the deadline; ``--die-with-parent`` then takes down the sandbox's pid 1, and the
-kernel kills every process left in the pid namespace. Nothing survives a run: no daemon,
+kernel kills every process left in the pid namespace. When the program exits, pid 1 exits
+too, with the same effect. Nothing survives a run: no daemon,
 no double-forked orphan, no file.
 
 What it does NOT protect against: kernel bugs reachable through the syscall surface (there
@@ -254,7 +256,7 @@ class BwrapSandbox(AsyncMixin):
         a += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
         if "--unshare-cgroup-try" in feats:
             a.append("--unshare-cgroup-try")
-        a += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL",
+        a += ["--as-pid-1", "--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL",
               "--ro-bind", "/usr", "/usr"]
         for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(d):
@@ -317,25 +319,13 @@ class BwrapSandbox(AsyncMixin):
         return cmd, fds
 
     def _program(self, argv: Sequence[str] | None, code: str | None, limits: Limits) -> list[str]:
-        # Python programs set their own rlimits in a -c preamble (no extra exec); anything
-        # else goes through util-linux `prlimit`. Both run inside the user namespace, so
-        # RLIMIT_NPROC counts only this sandbox's processes. +2: bwrap's own two processes
-        # are charged to the same count.
-        nproc = limits.max_procs + 2
+        # Our init (`_proc.init_command`) is the sandbox's pid 1; it sets the rlimits inside
+        # the user namespace, so RLIMIT_NPROC counts only this sandbox's processes. +2: the
+        # init and bwrap's own process are charged to the same count.
         if code is not None:
             argv = ["python", "main.py"]
         assert argv
-        if argv[0] == "python" and len(argv) >= 2 and not argv[1].startswith("-"):
-            script = argv[1] if argv[1].startswith("/") else f"{WORKDIR}/{argv[1]}"
-            boot = _proc.python_boot(
-                limits, nproc=nproc, script=script, argv=list(argv[1:]),
-                path0=os.path.dirname(script),
-            )
-            return [*self._python_cmd, "-c", boot]
-        prog = list(argv)
-        if prog[0] == "python":
-            prog[:1] = self._python_cmd
-        return ["prlimit", *_proc.prlimit_args(limits, nproc=nproc), "--", *prog]
+        return _proc.init_command(self._python_cmd, argv, WORKDIR, limits, nproc=limits.max_procs + 2)
 
     def _spawn(
         self, argv: Sequence[str] | None, code: str | None, files: dict[str, bytes], limits: Limits,

@@ -246,16 +246,10 @@ class RlimitSandbox(AsyncMixin):
             if code is not None:
                 argv = ["python", "main.py"]
             assert argv
-            if argv[0] == "python" and len(argv) >= 2 and not argv[1].startswith("-"):
-                script = os.path.join(workdir, argv[1])
-                boot = _proc.python_boot(limits, nproc=nproc, script=script, argv=list(argv[1:]),
-                                         path0=os.path.dirname(script))
-                prog = [*self._python_cmd, "-c", boot]
-            else:
-                prog = list(argv)
-                if prog[0] == "python":
-                    prog[:1] = self._python_cmd
-                prog = ["prlimit", *_proc.prlimit_args(limits, nproc=nproc), "--", *prog]
+            # The init is a child subreaper (orphans come back to it, not to the host's
+            # pid 1). Only with a throw-away uid may it kill "everything of this uid".
+            prog = _proc.init_command(self._python_cmd, argv, workdir, limits, nproc=nproc + 1,
+                                      subreaper=True, sweep=self.switch_uid)
             return [*prefix, *prog], workdir, uid
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)

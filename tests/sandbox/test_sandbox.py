@@ -32,7 +32,7 @@ from actloop.sandbox import (
     TierStatus,
     get_sandbox,
 )
-from actloop.sandbox._proc import CappedBuffer, python_boot
+from actloop.sandbox._proc import CappedBuffer, python_init
 from actloop.sandbox.cli import app
 from actloop.sandbox.docker import docker_available
 
@@ -208,12 +208,16 @@ def test_rlimit_warns_loudly_once(monkeypatch, caplog) -> None:  # type: ignore[
     assert "WITHOUT namespace isolation" in caplog.text
 
 
-def test_python_boot_sets_limits_before_user_code() -> None:
-    boot = python_boot(Limits(memory_mb=100, max_open_files=33), nproc=7, source="pass", argv=["-c"])
-    r = subprocess.run([sys.executable, "-S", "-c", boot + "\nimport resource as r\n"
-                        "print(r.getrlimit(r.RLIMIT_NOFILE), r.getrlimit(r.RLIMIT_NPROC))"],
-                       capture_output=True, text=True, timeout=30)
-    assert r.stdout == "(33, 33) (7, 7)\n", r.stderr
+def test_init_sets_limits_before_user_code_and_relays_status() -> None:
+    src = ("import resource as r, os\n"
+           "print(r.getrlimit(r.RLIMIT_NOFILE), r.getrlimit(r.RLIMIT_NPROC), os.getpid() != 1)\n"
+           "raise SystemExit(5)")
+    init = python_init(Limits(memory_mb=100, max_open_files=33), nproc=7000, source=src, argv=["-c"])
+    r = subprocess.run([sys.executable, "-S", "-c", init], capture_output=True, text=True, timeout=30)
+    assert (r.stdout, r.returncode) == ("(33, 33) (7000, 7000) True\n", 5), r.stderr
+    init = python_init(Limits(), nproc=None, source="import os, signal; os.kill(os.getpid(), signal.SIGABRT)")
+    r = subprocess.run([sys.executable, "-S", "-c", init], capture_output=True, timeout=30)
+    assert r.returncode == 128 + signal.SIGABRT
 
 
 # ----------------------------------------------------------------------- async, pool
@@ -489,3 +493,40 @@ def test_cli_doctor() -> None:
     res = runner.invoke(app, ["doctor", "--no-docker"])
     assert res.exit_code == 0, res.output
     assert "bwrap" in res.output and "rlimit" in res.output and "auto ->" in res.output
+
+
+# ------------------------------------------------------------- hosts whose pid 1 does not reap
+NON_REAPING_HOST = r"""
+import ctypes, os, sys, warnings
+sys.path.insert(0, {root!r})
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER, and we never reap orphans
+from actloop.sandbox import BwrapSandbox, RlimitSandbox, Limits
+warnings.simplefilter("ignore")
+sb = BwrapSandbox() if sys.argv[1] == "bwrap" else RlimitSandbox(warn=False)
+code = ("import os\nif os.fork() == 0:\n    if os.fork() == 0:\n        os._exit(0)\n    os._exit(0)\n"
+        "os.wait()\nimport subprocess\nprint(subprocess.run(['true']).returncode)")
+bad = [r for r in (sb.run(code, limits=Limits(max_procs=6)) for _ in range(20)) if r.stdout != "0\n"]
+zombies = 0
+for e in os.scandir("/proc"):
+    if e.name.isdigit():
+        try:
+            f = open(f"/proc/{{e.name}}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        zombies += f[0] == "Z" and int(f[1]) == os.getpid()
+print(len(bad), zombies, bad[:1])
+"""
+
+
+@pytest.mark.parametrize("tier", ["bwrap", "rlimit"])
+def test_no_zombies_left_for_a_non_reaping_host(tier, bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
+    """A trainer started as a container's pid 1 never reaps orphans. A run must not leave
+    one behind: each zombie would keep counting against the sandbox uid's RLIMIT_NPROC."""
+    if tier == "rlimit" and os.geteuid() != 0:
+        pytest.skip("rlimit tier sweeps leftovers only with a throw-away uid (root)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", NON_REAPING_HOST.format(root=root), tier],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    failed, zombies = r.stdout.split()[:2]
+    assert (failed, zombies) == ("0", "0"), r.stdout
