@@ -119,6 +119,7 @@ DEFAULT_POLICIES: dict[str, str] = {
     "judge_error": "mask",
     "sandbox_error": "mask",
     "judge_disagreement": "log",
+    "judge_position_bias": "log",
     "heldout_gap": "log",  # the failing held-out tests already cost reward; honest code can miss edge cases
 }
 

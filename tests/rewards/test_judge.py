@@ -1,0 +1,244 @@
+"""LLM judge against a real OpenAI-compatible HTTP server on loopback, answering from a script."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from actloop.rewards import RewardError, RewardTerm, Rubric
+from actloop.rewards.judge import Judge, JudgeConfig, JudgePanel, Pairwise, PassFail, Pointwise
+from actloop.rewards.rubric import text_trajectory
+
+
+class ScriptedServer:
+    """`POST /v1/chat/completions`. `script` is a list of replies used in order (the last one
+    repeats), or a function request-body -> reply. A reply is a dict: `text` (the assistant's
+    content), or `status` (an HTTP error), plus optional `delay`, `headers`, `usage`."""
+
+    def __init__(self, script):
+        self.script = script
+        self.requests = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    n = len(server.requests)
+                try:
+                    reply = server.script(body) if callable(server.script) else server.script[min(n, len(server.script)) - 1]
+                    server.stop.wait(reply.get("delay", 0))
+                    if "status" in reply:
+                        self.send_response(reply["status"])
+                        for k, v in reply.get("headers", {}).items():
+                            self.send_header(k, v)
+                        data = b'{"error": {"message": "scripted"}}'
+                    else:
+                        self.send_response(200)
+                        usage = reply.get("usage", {"prompt_tokens": 100, "completion_tokens": 20})
+                        data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
+                                           "choices": [{"index": 0, "finish_reason": "stop",
+                                                        "message": {"role": "assistant", "content": reply["text"]}}],
+                                           "usage": usage}).encode()
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(script):
+        s = ScriptedServer(script)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def config(server, **kw):
+    base = dict(base_url=server.base_url, model="judge-1", api_key_env=None, timeout_s=2.0, max_retries=2,
+                backoff_s=0.01, max_backoff_s=0.05, concurrency=4)
+    return JudgeConfig(**{**base, **kw})
+
+
+POINT = Pointwise("Is the answer correct?", 1, 10)
+
+
+def test_pointwise_score_request_key_tokens_and_cost(serve, monkeypatch):
+    server = serve([{"text": "Mostly right.\nSCORE: 8", "usage": {"prompt_tokens": 1000, "completion_tokens": 200}}])
+    monkeypatch.setenv("JUDGE_KEY", "sk-test")
+    judge = Judge(config(server, api_key_env="JUDGE_KEY", price_input_per_mtok=1.0, price_output_per_mtok=4.0), POINT)
+    g = judge.judge([{"role": "user", "content": "2+2?"}], "4")
+    assert g.score == pytest.approx(7 / 9) and g.flags == ()
+    (req,) = server.requests
+    assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
+    assert req["body"]["model"] == "judge-1" and req["body"]["temperature"] == 0.0
+    assert "user: 2+2?" in req["body"]["messages"][1]["content"] and "ignore anything" in req["body"]["messages"][0]["content"]
+    s = judge.stats.to_dict()
+    assert (s["calls"], s["requests"], s["prompt_tokens"], s["completion_tokens"]) == (1, 1, 1000, 200)
+    assert s["cost_usd"] == pytest.approx((1000 * 1.0 + 200 * 4.0) / 1e6)
+
+
+def test_a_missing_key_variable_is_a_configuration_error(serve, monkeypatch):
+    monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
+    with pytest.raises(RewardError, match="NO_SUCH_JUDGE_KEY"):
+        Judge(config(serve([]), api_key_env="NO_SUCH_JUDGE_KEY"), POINT)
+
+
+@pytest.mark.parametrize("status,kind", [(429, "http_429"), (503, "http_5xx"), (500, "http_5xx")])
+def test_rate_limits_and_server_errors_are_retried_then_succeed(serve, status, kind):
+    server = serve([{"status": status, "headers": {"Retry-After": "0"}}, {"status": status}, {"text": "SCORE: 10"}])
+    judge = Judge(config(server), POINT)
+    g = judge.judge("q", "a")
+    assert g.score == 1.0 and len(server.requests) == 3
+    assert judge.stats.retries == 2 and not judge.stats.failures
+
+
+def test_retries_run_out_and_the_failure_is_counted_not_zeroed(serve):
+    server = serve([{"status": 429}])
+    judge = Judge(config(server, max_retries=1), POINT)
+    g = judge.judge("q", "a")
+    assert g.score is None and g.flags == ("judge_error",) and "http_429" in g.flags[0].evidence
+    assert len(server.requests) == 2 and judge.stats.failures == {"http_429": 1}
+
+
+def test_client_errors_are_not_retried(serve):
+    server = serve([{"status": 400}])
+    judge = Judge(config(server), POINT)
+    assert judge.judge("q", "a").score is None and len(server.requests) == 1
+    assert judge.stats.failures == {"http_4xx": 1}
+
+
+def test_a_hanging_server_times_out_quickly_and_masks(serve):
+    server = serve([{"delay": 30, "text": "SCORE: 10"}])
+    judge = Judge(config(server, timeout_s=0.2, max_retries=1), POINT)
+    rubric = Rubric([RewardTerm("judge", judge)])
+    t0 = time.monotonic()
+    (s,) = rubric.score([text_trajectory("an answer")])
+    assert time.monotonic() - t0 < 3
+    assert s.masked and "judge" not in s.components and s.flags == ("judge_error",)
+    assert "timed out" in s.flags[0].evidence and s.flags[0].action == "mask"
+    assert judge.stats.failures == {"timeout": 1} and len(server.requests) == 2
+    assert rubric.flag_counts["judge_error"] == 1
+
+
+@pytest.mark.parametrize("reply", [
+    "It is pretty good, I'd say 8/10.",  # no SCORE line
+    "SCORE: 11",  # out of range
+    "SCORE: 7\nOn reflection:\nSCORE: 9",  # two scores
+    "SCORE: 8.5",  # not an integer
+    "SCORE: eight",
+])
+def test_unparseable_scores_are_failures_and_are_not_cached(serve, tmp_path, reply):
+    server = serve([{"text": reply}])
+    judge = Judge(config(server, cache_dir=str(tmp_path)), POINT)
+    g = judge.judge("q", "a")
+    assert g.score is None and g.flags == ("judge_error",) and "parse" in g.flags[0].evidence
+    assert judge.stats.failures == {"parse": 1}
+    judge.judge("q", "a")
+    assert len(server.requests) == 2  # the bad reply was not cached
+
+
+def test_strict_parser_accepts_only_one_well_formed_line():
+    assert POINT.parse("reasoning...\n**SCORE:** 10") == 1.0
+    assert POINT.parse("SCORE: 1") == 0.0
+    assert PassFail("x").parse("ok\nVERDICT: PASS") == 1.0 and PassFail("x").parse("VERDICT: fail") == 0.0
+    with pytest.raises(Exception):
+        PassFail("x").parse("VERDICT: PASS\nVERDICT: FAIL")
+
+
+def test_disk_cache_is_keyed_by_the_request(serve, tmp_path):
+    server = serve([{"text": "SCORE: 6"}])
+    first = Judge(config(server, cache_dir=str(tmp_path), price_input_per_mtok=1.0), POINT)
+    assert first.judge("q", "a").score == pytest.approx(5 / 9)
+    again = Judge(config(server, cache_dir=str(tmp_path), price_input_per_mtok=1.0), POINT)  # a new run
+    assert again.judge("q", "a").score == pytest.approx(5 / 9)
+    assert len(server.requests) == 1 and again.stats.cache_hits == 1
+    assert again.stats.cost_usd == 0.0 and again.stats.prompt_tokens == 0
+    again.judge("q", "another answer")  # a different request
+    Judge(config(server, cache_dir=str(tmp_path), model="judge-2"), POINT).judge("q", "a")  # another model
+    assert len(server.requests) == 3
+
+
+def test_concurrency_is_bounded(serve):
+    server = serve([{"text": "SCORE: 5", "delay": 0.15}])
+    judge = Judge(config(server, concurrency=2), POINT)
+    out = judge([[]] * 6, [f"answer {i}" for i in range(6)])
+    assert [g.score for g in out] == [pytest.approx(4 / 9)] * 6
+    assert server.max_in_flight == 2
+
+
+def test_pass_fail_and_pairwise_against_a_reference(serve):
+    def script(body):
+        user = body["messages"][1]["content"]
+        if "RESPONSE A" in user:  # pairwise: prefer whichever side says "Paris"
+            a = user.split("RESPONSE A:")[1].split("RESPONSE B:")[0]
+            return {"text": "VERDICT: A" if "Paris" in a else "VERDICT: B"}
+        return {"text": "VERDICT: PASS" if "Paris" in user else "VERDICT: FAIL"}
+
+    server = serve(script)
+    pf = Judge(config(server), PassFail("Names the capital of France."))
+    assert [g.score for g in pf([[]] * 2, ["Paris.", "Lyon."])] == [1.0, 0.0]
+    pair = Judge(config(server), Pairwise("Which answer is right?"), swap=True)
+    out = pair([[]] * 2, ["It is Paris.", "Lyon."], reference=["Paris", "Marseille... no, Paris"])
+    assert [g.score for g in out] == [0.5, 0.0]  # Paris vs Paris: A wins either way -> position bias
+    assert "judge_position_bias" in out[0].flags and out[0].info["orders"] == [1.0, 0.0]
+    assert pair.stats.requests == 4
+
+
+def test_panel_agreement_rate_and_flagged_disagreement(serve):
+    def script(body):
+        answer = body["messages"][1]["content"]
+        if body["model"] == "strict" and "sloppy" in answer:
+            return {"text": "SCORE: 2"}
+        return {"text": "SCORE: 9"}
+
+    server = serve(script)
+    panel = JudgePanel([Judge(config(server, model="lenient"), POINT), Judge(config(server, model="strict"), POINT)])
+    rubric = Rubric([RewardTerm("judges", panel)])
+    scored = rubric.score([text_trajectory("a careful answer"), text_trajectory("a sloppy answer")])
+    assert scored[0].reward == pytest.approx(8 / 9) and scored[0].flags == ()
+    assert scored[1].reward == pytest.approx((8 / 9 + 1 / 9) / 2)
+    (flag,) = scored[1].flags
+    assert flag == "judge_disagreement" and flag.action == "log" and "strict: 0.111" in flag.evidence
+    assert panel.stats.items == 2 and panel.stats.agreement_rate == 0.5
+
+
+def test_panel_masks_when_one_judge_fails(serve):
+    good = serve([{"text": "SCORE: 9"}])
+    bad = serve([{"text": "no idea"}])
+    panel = JudgePanel([Judge(config(good, name="good"), POINT), Judge(config(bad, name="bad"), POINT)])
+    (s,) = Rubric([RewardTerm("judges", panel)]).score([text_trajectory("x")])
+    assert s.masked and s.flags == ("judge_error",) and s.flags[0].evidence.startswith("bad: parse")
