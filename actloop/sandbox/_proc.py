@@ -260,35 +260,34 @@ def rlimit_list(limits: Limits, *, nproc: int | None) -> list[tuple[str, int, in
     return lims
 
 
-# The program every sandbox starts: ``python -S -c INIT``. It forks; the child sets the
-# rlimits (hard == soft, so they cannot be raised again) and runs the program — a Python
-# script or source *in-process* (no second interpreter start-up, no `prlimit` exec),
-# anything else by exec; the parent stays behind as the run's init: it reaps whatever the
-# program orphans and, when the program exits, exits with its status (128 + N for signal N).
-#
-# Why our own init: under bwrap it runs as the sandbox's pid 1 (``--as-pid-1``), so bwrap
-# needs no reaper of its own. bwrap's reaper outlives bwrap's exit by a moment and is
-# re-parented to the host's pid 1; in a container whose pid 1 does not reap (a trainer
-# started as ``python train.py``) each run would leave a zombie that keeps counting
-# against the sandbox uid's RLIMIT_NPROC. In the rlimit tier the init is a child
-# subreaper, so orphans come back to it instead of to the host's pid 1, and it kills
-# every leftover of the run's uid before it exits.
+# ``python -S -c INIT``: how every sandboxed Python program starts. It sets the rlimits
+# (hard == soft, so they cannot be raised again) and runs the program — a script or
+# source *in-process*, like ``python FILE`` would, with its own traceback frame hidden —
+# or execs a command. With ``init=True`` it first forks and the parent stays behind as
+# the run's init: it reaps whatever the program orphans and exits with the program's
+# status (128 + N for signal N); as a child subreaper (rlimit tier) orphans come back to
+# it instead of to the host's pid 1, and with a throw-away uid it kills every leftover.
+# (The bwrap tier uses a shell as pid 1 instead: forking a started interpreter costs ~3 ms
+# of copy-on-write faults while the child tears down.)
 _INIT = r"""
-import os, sys, signal
+import os, sys, _signal
 S = %(spec)r
-if S["subreaper"]:
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except Exception:
-        pass
-for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(_s, signal.SIG_IGN)
-_child = os.fork()
+_child = 0
+if S["init"]:
+    if S["subreaper"]:
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        except Exception:
+            pass
+    for _s in (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP):  # `signal` imports enum: 5 ms
+        _signal.signal(_s, _signal.SIG_IGN)
+    _child = os.fork()
+    if _child == 0:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+        for _s in (_signal.SIGTERM, _signal.SIGHUP):
+            _signal.signal(_s, _signal.SIG_DFL)
 if _child == 0:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for _s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_s, signal.SIG_DFL)
     import resource
     for _n, _soft, _hard in S["limits"]:
         resource.setrlimit(getattr(resource, "RLIMIT_" + _n), (_soft, _hard))
@@ -312,7 +311,7 @@ if _child == 0:
         with open(__file__, "rb") as _f:
             _code = compile(_f.read(), __file__, "exec")
         del _f
-    del os, sys, signal, S, resource, _s, _child, _n, _soft, _hard, _hook
+    del os, sys, _signal, S, resource, _child, _n, _soft, _hard, _hook
     exec(_code)
 else:
     for _fd in (0, 1, 2):
@@ -328,7 +327,7 @@ else:
             break
     if S["sweep"]:
         try:
-            os.kill(-1, signal.SIGKILL)
+            os.kill(-1, _signal.SIGKILL)
         except OSError:
             pass
         while True:
@@ -350,15 +349,17 @@ def python_init(
     exec_argv: Sequence[str] | None = None,
     argv: Sequence[str] = (),
     path0: str = "",
+    init: bool = False,
     subreaper: bool = False,
     sweep: bool = False,
 ) -> str:
-    """Source of the init program (see `_INIT`) for one run.
+    """Source of the program (see `_INIT`) for one run.
 
     Exactly one of `script` (path of a Python file), `source` (Python source) or
     `exec_argv` (a command to exec) says what to run. `argv` becomes ``sys.argv`` and
-    `path0` ``sys.path[0]`` for in-process Python. `sweep`: kill every other process of
-    this uid when the program exits (rlimit tier, where a uid belongs to one run).
+    `path0` ``sys.path[0]`` for in-process Python. `init`: fork and stay behind as the
+    run's init; `subreaper`: as a child subreaper; `sweep`: kill every other process of
+    this uid when the program exits (only for a uid that belongs to this one run).
     """
     if sum(x is not None for x in (script, source, exec_argv)) != 1:
         raise ValueError("exactly one of script, source, exec_argv")
@@ -369,10 +370,16 @@ def python_init(
         "exec": list(exec_argv) if exec_argv is not None else None,
         "argv": list(argv),
         "path0": path0,
+        "init": init,
         "subreaper": subreaper,
         "sweep": sweep,
     }
     return _INIT % {"spec": spec}
+
+
+def prlimit_args(limits: Limits, *, nproc: int | None) -> list[str]:
+    """util-linux ``prlimit`` flags: the rlimits for a non-Python command (bwrap tier)."""
+    return [f"--{name.lower()}={soft}:{hard}" for name, soft, hard in rlimit_list(limits, nproc=nproc)]
 
 
 def init_command(
@@ -382,10 +389,11 @@ def init_command(
     limits: Limits,
     *,
     nproc: int | None,
+    init: bool = False,
     subreaper: bool = False,
     sweep: bool = False,
 ) -> list[str]:
-    """``python -S -c INIT`` for a run of `argv`. ``argv[0] == "python"`` means the
+    """``python -S -c ...`` for a run of `argv`. ``argv[0] == "python"`` means the
     sandbox's interpreter: ``python FILE ...`` and ``python -c SRC ...`` run in-process,
     other interpreter flags re-exec it; anything else is exec'd from ``PATH``."""
     what: dict[str, object]
@@ -398,8 +406,8 @@ def init_command(
         what = {"exec_argv": [*python_cmd, *argv[1:]]}
     else:
         what = {"exec_argv": list(argv)}
-    init = python_init(limits, nproc=nproc, subreaper=subreaper, sweep=sweep, **what)  # type: ignore[arg-type]
-    return [*python_cmd, "-c", init]
+    src = python_init(limits, nproc=nproc, init=init, subreaper=subreaper, sweep=sweep, **what)  # type: ignore[arg-type]
+    return [*python_cmd, "-c", src]
 
 
 def sandbox_env(

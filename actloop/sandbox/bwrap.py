@@ -11,8 +11,8 @@ What the program sees:
   ``HOME``; ``/tmp`` links to it (unless you bind something below ``/tmp``; ``TMPDIR``
   points there either way). ``/dev/shm`` is a second, small tmpfs (a quarter of that size) so
   `multiprocessing` locks work. The root, ``/dev`` and ``/proc`` are remounted read-only.
-- its own ``/proc``: only its own processes; pid 1 is our init (`_proc.init_command`),
-  which reaps orphans and exits with the program's status.
+- its own ``/proc``: only its own processes; pid 1 is a shell that runs the program and
+  exits with its status (see `BwrapSandbox._program`).
 - a loopback interface in an empty network namespace: no route anywhere, not even to the
   host's 127.0.0.1.
 - an environment built from scratch (`_proc.sandbox_env`): no host variables.
@@ -319,13 +319,22 @@ class BwrapSandbox(AsyncMixin):
         return cmd, fds
 
     def _program(self, argv: Sequence[str] | None, code: str | None, limits: Limits) -> list[str]:
-        # Our init (`_proc.init_command`) is the sandbox's pid 1; it sets the rlimits inside
-        # the user namespace, so RLIMIT_NPROC counts only this sandbox's processes. +2: the
-        # init and bwrap's own process are charged to the same count.
+        # pid 1 is a shell that runs the program as its child and exits with its status:
+        # unlike bwrap's own reaper it never outlives bwrap, so a host whose pid 1 does not
+        # reap (a trainer started as a container's entrypoint) collects no zombies, and the
+        # program is not pid 1 (signals and orphans behave as usual). Python programs set
+        # their rlimits in a -c preamble; other commands go through util-linux `prlimit`.
+        # Both run inside the user namespace, so RLIMIT_NPROC counts only this sandbox's
+        # processes; +2 for the shell and bwrap, which are charged to the same count.
         if code is not None:
             argv = ["python", "main.py"]
         assert argv
-        return _proc.init_command(self._python_cmd, argv, WORKDIR, limits, nproc=limits.max_procs + 2)
+        nproc = limits.max_procs + 2
+        if argv[0] == "python":
+            prog = _proc.init_command(self._python_cmd, argv, WORKDIR, limits, nproc=nproc)
+        else:
+            prog = ["prlimit", *_proc.prlimit_args(limits, nproc=nproc), "--", *argv]
+        return ["/bin/sh", "-c", '"$@"; exit $?', "sh", *prog]
 
     def _spawn(
         self, argv: Sequence[str] | None, code: str | None, files: dict[str, bytes], limits: Limits,

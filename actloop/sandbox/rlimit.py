@@ -249,7 +249,7 @@ class RlimitSandbox(AsyncMixin):
             # The init is a child subreaper (orphans come back to it, not to the host's
             # pid 1). Only with a throw-away uid may it kill "everything of this uid".
             prog = _proc.init_command(self._python_cmd, argv, workdir, limits, nproc=nproc + 1,
-                                      subreaper=True, sweep=self.switch_uid)
+                                      init=True, subreaper=True, sweep=self.switch_uid)
             return [*prefix, *prog], workdir, uid
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -212,10 +212,11 @@ def test_init_sets_limits_before_user_code_and_relays_status() -> None:
     src = ("import resource as r, os\n"
            "print(r.getrlimit(r.RLIMIT_NOFILE), r.getrlimit(r.RLIMIT_NPROC), os.getpid() != 1)\n"
            "raise SystemExit(5)")
-    init = python_init(Limits(memory_mb=100, max_open_files=33), nproc=7000, source=src, argv=["-c"])
+    init = python_init(Limits(memory_mb=100, max_open_files=33), nproc=7000, source=src, argv=["-c"], init=True)
     r = subprocess.run([sys.executable, "-S", "-c", init], capture_output=True, text=True, timeout=30)
     assert (r.stdout, r.returncode) == ("(33, 33) (7000, 7000) True\n", 5), r.stderr
-    init = python_init(Limits(), nproc=None, source="import os, signal; os.kill(os.getpid(), signal.SIGABRT)")
+    init = python_init(Limits(), nproc=None, source="import os, signal; os.kill(os.getpid(), signal.SIGABRT)",
+                       init=True)
     r = subprocess.run([sys.executable, "-S", "-c", init], capture_output=True, timeout=30)
     assert r.returncode == 128 + signal.SIGABRT
 
