@@ -25,6 +25,13 @@ try:  # the sandbox commands, when that package is present
 except ImportError:  # pragma: no cover
     pass
 
+try:  # `actloop compare`, PPO vs DPO vs GRPO measured on one task
+    from actloop.train.compare import compare as _compare
+
+    app.command("compare")(_compare)
+except ImportError:  # pragma: no cover
+    pass
+
 try:  # `actloop grade`, from the rewards package
     from actloop.rewards.cli import grade as _grade
 
@@ -131,7 +138,11 @@ def config_show(
     if as_yaml:
         print(cfg.to_yaml(), end="")
         return
-    table = Table("key", "type", "value", "doc", show_lines=False)
+    table = Table(show_lines=False)
+    table.add_column("key", no_wrap=True)
+    table.add_column("type", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_column("doc", overflow="fold", ratio=1)
     resolved = dict(_flat(cfg.to_dict()))
     for key, tp, _default, doc in all_keys():
         table.add_row(key, type_name(tp), repr(resolved[key]), doc)

@@ -83,9 +83,25 @@ class TrainConfig:
     warmup_steps: int = opt(0, "Linear learning-rate warm-up steps.")
     micro_batch_size: int = opt(16, "Trajectories per forward/backward pass (gradient accumulation).")
     loss_agg: str = opt(
-        "seq_mean", "Loss aggregation: `seq_mean` (per-sequence mean, GRPO) or `token_mean` (DAPO)."
+        "seq_mean",
+        "Loss aggregation: `seq_mean` (per-sequence mean, GRPO), `token_mean` (DAPO) or `constant` "
+        "(Dr. GRPO: a fixed normaliser, max_new_tokens * max_turns per sequence).",
     )
-    scale_rewards: bool = opt(True, "Divide group-relative advantages by the group std (GRPO); False = Dr. GRPO.")
+    adv_scale: str = opt(
+        "group", "Advantage scaling for grpo: `group` std (GRPO), `batch` std, or `none` (Dr. GRPO)."
+    )
+    policy_loss: str = opt("ppo_clip", "Policy loss: `ppo_clip` (token ratios) or `gspo` (sequence-level ratio).")
+    clip_low: float | None = opt(None, "Lower clip range (ratio >= 1 - clip_low); default clip_eps.")
+    clip_high: float | None = opt(None, "Upper clip range (ratio <= 1 + clip_high); DAPO's clip-higher uses 0.28.")
+    dual_clip: float | None = opt(None, "Dual-clip constant c (> 1) bounding the loss for negative advantages.")
+    entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off; entropy is always logged).")
+    epochs: int = opt(1, "Passes over each rollout batch. 1 with one mini-batch = exact on-policy (ratio 1).")
+    minibatch_size: int = opt(0, "Trajectories per optimizer step within a rollout batch (0 = the whole batch).")
+    dynamic_sampling: bool = opt(False, "Drop groups whose rewards are all equal and refill them (DAPO).")
+    max_refill_rounds: int = opt(2, "Extra generation rounds dynamic sampling may spend refilling a step.")
+    overlong_buffer: int = opt(0, "Soft overlong penalty over the last N tokens before max_new_tokens (0 = off).")
+    overlong_penalty: float = opt(1.0, "Penalty at the limit for the soft overlong shaping.")
+    mask_truncated: bool = opt(False, "Leave completions cut off at max_new_tokens out of the loss.")
     precision: str = opt(
         "auto", "`auto` (bf16 autocast where supported), `bf16` or `fp32`. Master weights stay fp32."
     )
@@ -93,6 +109,56 @@ class TrainConfig:
     eval_after: bool = opt(True, "Evaluate greedy success on the held-out split after training.")
     save_final: bool = opt(True, "Save the final model (and tokenizer) to RUN_DIR/final.")
     threads: int = opt(0, "torch CPU threads (0 = torch's default).")
+
+
+@dataclass
+class KLConfig:
+    estimator: str = opt("k3", "KL estimator: `k1`, `k2` or `k3` (Schulman); coefficient is `train.beta`.")
+    mode: str = opt("loss", "`loss` (a KL term in the loss, GRPO) or `reward` (a per-token reward penalty, PPO).")
+    controller: str = opt("fixed", "`fixed` beta or `adaptive` (Ziegler et al.: steer the KL to `kl.target`).")
+    target: float = opt(0.05, "Target KL per token for the adaptive controller.")
+    horizon: int = opt(10000, "Adaptive controller horizon, in trajectories.")
+
+
+@dataclass
+class CorrectionConfig:
+    mode: str = opt(
+        "auto",
+        "Rollout-vs-trainer importance-sampling correction: `none`, `tis_token`, `tis_seq` (truncated), "
+        "`mis_token`, `mis_seq` (masked); `auto` = tis_token when the engine is not the trainer's own "
+        "forward pass (its own bf16 copy, vLLM), else none.",
+    )
+    cap: float = opt(2.0, "TIS: importance weights are truncated at this value.")
+    lower: float | None = opt(None, "MIS: tokens/sequences with ratio below this are masked (default 1/upper).")
+    upper: float = opt(2.0, "MIS: tokens/sequences with ratio above this are masked.")
+
+
+@dataclass
+class PPOConfig:
+    gamma: float = opt(1.0, "PPO/GAE discount per token.")
+    lam: float = opt(0.95, "GAE lambda.")
+    value_clip: float | None = opt(0.2, "Value-function clipping range (None = off).")
+    critic_lr: float = opt(1e-4, "Critic learning rate.")
+    vf_coef: float = opt(0.5, "Value-loss coefficient.")
+    critic: str = opt("head", "`head` (value head on the policy backbone) or `separate` (a copy of the model).")
+
+
+@dataclass
+class DPOConfig:
+    beta: float = opt(0.1, "DPO temperature beta.")
+    loss: str = opt("sigmoid", "DPO loss: `sigmoid` (Rafailov et al.) or `ipo` (Azar et al.).")
+    label_smoothing: float = opt(0.0, "Conservative DPO label smoothing.")
+    online: bool = opt(
+        False, "Build pairs from rollout groups (best vs worst) each step instead of reading `data.path` pairs."
+    )
+    batch_size: int = opt(8, "Preference pairs per optimizer step (offline).")
+    epochs: int = opt(1, "Passes over the preference data (offline).")
+
+
+@dataclass
+class SFTConfig:
+    batch_size: int = opt(8, "Conversations per optimizer step.")
+    epochs: int = opt(1, "Passes over the SFT data.")
 
 
 @dataclass
@@ -121,11 +187,20 @@ class Config:
     seed: int = opt(0, "Random seed for data, sampling and initialisation.")
     output_dir: str = opt("runs", "Parent directory of run directories.")
     run_name: str | None = opt(None, "Run directory name (default: a timestamp).")
-    algo: str = opt("grpo", "Algorithm: `grpo`.")
+    algo: str = opt(
+        "grpo",
+        "Algorithm: `grpo`, `rloo`, `reinforce_pp`, `ppo` (with a critic), `dpo` (preference pairs), `sft` "
+        "(supervised, loss on assistant tokens).",
+    )
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Data and task."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": "Reward functions."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"doc": "Rollouts."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training."})
+    kl: KLConfig = field(default_factory=KLConfig, metadata={"doc": "KL control."})
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig, metadata={"doc": "IS correction."})
+    ppo: PPOConfig = field(default_factory=PPOConfig, metadata={"doc": "PPO with a critic."})
+    dpo: DPOConfig = field(default_factory=DPOConfig, metadata={"doc": "DPO."})
+    sft: SFTConfig = field(default_factory=SFTConfig, metadata={"doc": "Supervised fine-tuning."})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA adapters."})
 
     def to_dict(self) -> dict[str, Any]:
@@ -297,8 +372,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo", "dpo", "sft")
+
+
+def _one_of(key: str, value: str, choices) -> tuple[bool, str]:
+    return value in choices, f"{key} must be one of {', '.join(choices)}; got `{value}`"
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
+    from actloop.algos import REGISTRIES as REG
     checks = [
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
@@ -310,10 +393,20 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (cfg.train.loss_agg in ("seq_mean", "token_mean"), "train.loss_agg must be seq_mean or token_mean"),
+        _one_of("train.loss_agg", cfg.train.loss_agg, REG["loss_agg"]),
+        _one_of("train.adv_scale", cfg.train.adv_scale, REG["advantage_scale"]),
+        _one_of("train.policy_loss", cfg.train.policy_loss, REG["policy_loss"]),
+        _one_of("kl.estimator", cfg.kl.estimator, REG["kl_estimator"]),
+        _one_of("kl.controller", cfg.kl.controller, REG["kl_controller"]),
+        _one_of("kl.mode", cfg.kl.mode, ("loss", "reward")),
+        _one_of("correction.mode", cfg.correction.mode, ("auto", *REG["is_correction"])),
+        _one_of("dpo.loss", cfg.dpo.loss, REG["dpo_loss"]),
+        _one_of("ppo.critic", cfg.ppo.critic, ("head", "separate")),
+        _one_of("algo", cfg.algo, ALGOS),
+        (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
+        (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),
         (cfg.train.precision in ("auto", "bf16", "fp32"), "train.precision must be auto, bf16 or fp32"),
         (cfg.reward.completion in ("final", "transcript"), "reward.completion must be final or transcript"),
-        (cfg.algo == "grpo", f"algo `{cfg.algo}` is not available yet (available: grpo)"),
         (
             not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.funcs),
             "reward.weights must have one weight per reward.funcs entry",

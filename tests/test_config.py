@@ -28,7 +28,7 @@ def test_yaml_then_overrides(tmp_path):
     ("train.steps=abc", "train.steps: expected an integer"),
     ("lora.enabled=maybe", "lora.enabled: expected true/false"),
     ("train.group_size=0", "train.group_size must be >= 1"),
-    ("algo=ppo", "algo `ppo` is not available yet"),
+    ("algo=a2c", "algo must be one of grpo, rloo"),
     ("noequals", "key=value"),
 ])
 def test_bad_overrides_fail_with_the_key(override, msg):

@@ -132,6 +132,21 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
 
 
 def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
+    """Run `cfg.algo`: the online RL loop below, or the offline trainers (dpo, sft)."""
+    if cfg.algo in OFFLINE_TRAINERS:
+        import importlib
+
+        module, name = OFFLINE_TRAINERS[cfg.algo].split(":")
+        return getattr(importlib.import_module(module), name)(cfg, progress=progress, print_fn=print_fn)
+    return train_online(cfg, progress=progress, print_fn=print_fn)
+
+
+# Offline algorithms live in their own modules; online ones (grpo, rloo, reinforce_pp, ppo) share
+# the rollout loop below and differ only in their advantage estimator.
+OFFLINE_TRAINERS = {"dpo": "actloop.train.dpo:train_dpo", "sft": "actloop.train.sft:train_sft"}
+
+
+def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.train.threads:
@@ -178,7 +193,7 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
             # 3. group-relative advantages
             rewards = torch.tensor([s.reward for s in scored]).view(-1, cfg.train.group_size)
             valid = torch.tensor([not s.masked for s in scored]).view(-1, cfg.train.group_size)
-            advantages = grpo_advantages(rewards, valid, scale=cfg.train.scale_rewards).flatten()
+            advantages = grpo_advantages(rewards, valid, scale=cfg.train.adv_scale).flatten()
             # 4. update the policy, then hand the new weights to the engine
             upd = grpo_update(cfg, models, optimizer, scored, advantages)
             scheduler.step()
