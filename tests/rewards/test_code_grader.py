@@ -133,11 +133,16 @@ def test_candidate_cannot_read_the_harness_process():
 
 def test_hook_files_do_not_apply_to_later_tests_and_are_reported():
     row = {"test_list": ["assert f() == 1", "assert f() == 2"]}
-    code = ("import builtins, os\n"
+    # the user site directory is writable in the sandbox (HOME is the work dir): a plain
+    # `python` would run usercustomize.py and .pth files from it at the next start
+    code = ("import builtins, os, sys\n"
             "hook = 'import builtins; builtins.HOOKED = 1'\n"
-            "for d in (os.getcwd(), os.path.dirname(os.getcwd())):\n"
+            "user_site = os.path.expanduser('~/.local/lib/python%d.%d/site-packages' % sys.version_info[:2])\n"
+            "os.makedirs(user_site, exist_ok=True)\n"
+            "for d in (os.getcwd(), os.path.dirname(os.getcwd()), user_site):\n"
             "    open(os.path.join(d, 'sitecustomize.py'), 'w').write(hook)\n"
-            "    open(os.path.join(d, 'a.pth'), 'w').write(hook)\n"
+            "    open(os.path.join(d, 'usercustomize.py'), 'w').write(hook)\n"
+            "    open(os.path.join(d, 'a.pth'), 'w').write(hook + '\\n')\n"
             "def f():\n"
             "    return 2 if hasattr(builtins, 'HOOKED') else 1")
     g = grade(code, row)
