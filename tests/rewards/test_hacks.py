@@ -136,6 +136,18 @@ def test_rubric_applies_policies_to_term_and_detector_flags():
     assert [s.reward for s in strict.score(trajs)] == [0.0, 1.0] and not strict.score(trajs)[0].success
 
 
+def test_async_reward_functions_may_return_grades_and_flags_survive_pickling():
+    import pickle
+
+    async def graded(prompts, completions, **kw):
+        return [Grade(0.5, (Flag("odd", "the evidence"),)) for _ in completions]
+
+    (s,) = Rubric([RewardTerm("a", graded)], policies={"odd": "log"}).score([text_trajectory("x")])
+    assert s.reward == 0.5 and s.flags == ("odd",) and s.flags[0].evidence == "the evidence"
+    back = pickle.loads(pickle.dumps(s.flags[0]))
+    assert (back, back.evidence, back.source, back.action) == ("odd", "the evidence", "a", "log")
+
+
 def test_a_broken_detector_masks_instead_of_passing_silently():
     def broken(completion, row):
         raise RuntimeError("bug")

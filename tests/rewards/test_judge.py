@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from actloop.rewards import RewardError, RewardTerm, Rubric
-from actloop.rewards.judge import Judge, JudgeConfig, JudgePanel, Pairwise, PassFail, Pointwise
+from actloop.rewards.judge import Judge, JudgeConfig, JudgeError, JudgePanel, Pairwise, PassFail, Pointwise
 from actloop.rewards.rubric import text_trajectory
 
 
@@ -175,7 +175,7 @@ def test_strict_parser_accepts_only_one_well_formed_line():
     assert POINT.parse("reasoning...\n**SCORE:** 10") == 1.0
     assert POINT.parse("SCORE: 1") == 0.0
     assert PassFail("x").parse("ok\nVERDICT: PASS") == 1.0 and PassFail("x").parse("VERDICT: fail") == 0.0
-    with pytest.raises(Exception):
+    with pytest.raises(JudgeError, match="2 `VERDICT:` line"):
         PassFail("x").parse("VERDICT: PASS\nVERDICT: FAIL")
 
 

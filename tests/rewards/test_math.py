@@ -1,17 +1,15 @@
 """Maths grader: extraction, normalisation, one-answer rule, GSM8K gold answers."""
 
 import json
-import os
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
 from actloop.rewards import RewardError, RewardTerm, Rubric
-from actloop.rewards.math import extract_final_answer, gold_value, grade_math, gsm8k_gold_completion, math_correct, numbers_in
+from actloop.rewards.math import (extract_final_answer, gold_value, grade_math, gsm8k_gold_completion,
+                                  math_correct, numbers_in)
 from actloop.rewards.rubric import text_trajectory
-
-DATA = Path(os.environ.get("ACTLOOP_DATA_DIR", Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+from actloop.rewards.tasks import data_dir
 
 
 @pytest.mark.parametrize("text,value", [
@@ -97,7 +95,7 @@ def test_reward_function_in_a_rubric_returns_components_and_flags_with_evidence(
 
 
 def test_gsm8k_gold_solutions_score_full_marks():
-    path = DATA / "gsm8k" / "test.jsonl"
+    path = data_dir() / "gsm8k" / "test.jsonl"
     if not path.exists():
         pytest.skip(f"GSM8K not found at {path} (set ACTLOOP_DATA_DIR)")
     rows = [json.loads(line) for line in path.open()]
