@@ -9,6 +9,7 @@ and ``mbpp/mbpp.jsonl``. Full reward is 1.0 for every task here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -49,6 +50,11 @@ def load_rows(task: str, path: Path | str | None = None) -> list[dict[str, Any]]
     path = Path(path)
     if not path.exists():
         raise RewardError(f"data file {path} does not exist (set ACTLOOP_DATA_DIR or pass --data)")
+    return [dict(r) for r in _read_jsonl(path.resolve(), path.stat().st_mtime_ns)]
+
+
+@functools.lru_cache(maxsize=8)
+def _read_jsonl(path: Path, mtime_ns: int) -> tuple[dict[str, Any], ...]:
     rows = []
     with path.open() as f:
         for n, line in enumerate(f, 1):
@@ -57,7 +63,7 @@ def load_rows(task: str, path: Path | str | None = None) -> list[dict[str, Any]]
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise RewardError(f"{path}:{n}: not JSON: {e}") from None
-    return rows
+    return tuple(rows)
 
 
 def find_row(task: str, id: int, path: Path | str | None = None) -> dict[str, Any]:
