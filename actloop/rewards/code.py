@@ -406,6 +406,7 @@ def _run_harness(code: str, tests: Sequence[TestCase], setup: str, sandbox: Sand
     job = {
         "nonce": nonce, "code": code, "setup": setup, "child": _harness.CHILD, "module_name": "solution",
         "tests": [list(t.probes) for t in tests], "timeout": per_test_timeout_s, "protected": [HARNESS_FILE],
+        "own_pid_namespace": getattr(sandbox, "tier", "") in ("bwrap", "docker"),
     }
     res = sandbox.run(argv=["python", "-I", HARNESS_FILE], files={HARNESS_FILE: _harness.PARENT},
                       stdin=json.dumps(job), limits=limits)

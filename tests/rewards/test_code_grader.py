@@ -150,6 +150,25 @@ def test_hook_files_do_not_apply_to_later_tests_and_are_reported():
     assert "grader_hooks" in g.flags and "sitecustomize.py" in g.flags[0].evidence
 
 
+def test_processes_a_test_leaves_behind_are_killed_before_the_next_test():
+    # test 0 leaves a double-forked daemon that, 0.3 s later, would change what f() sees
+    code = ("import os, time\n"
+            "root = os.path.dirname(os.getcwd())\n"
+            "def f():\n"
+            "    return os.path.exists(os.path.join(root, 'flag'))\n"
+            "if not os.path.exists(os.path.join(root, 'started')):\n"
+            "    open(os.path.join(root, 'started'), 'w').close()\n"
+            "    if os.fork() == 0:\n"
+            "        os.setsid()\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(0.3)\n"
+            "            open(os.path.join(root, 'flag'), 'w').close()\n"
+            "            time.sleep(30)\n"
+            "        os._exit(0)\n")
+    row = {"test_list": ["assert f() == False", "assert __import__('time').sleep(0.6) is None", "assert f() == False"]}
+    assert [t["passed"] for t in grade(code, row).info["tests"]] == [True, True, True]
+
+
 def test_tampering_with_the_harness_is_detected_by_hash():
     code = ("import os\n"
             "p = os.path.join(os.path.dirname(os.getcwd()), 'harness.py')\n"
