@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from actloop.algos.advantages import grpo_advantages
-from actloop.algos.losses import clipped_pg_loss, token_weights
-from actloop.config import Config
+from actloop.algos import KL_CONTROLLERS
+from actloop.algos.batching import dynamic_sampling_filter
+from actloop.algos.shaping import overlong_penalty
+from actloop.config import Config, ConfigError
 from actloop.data.tasks import Task, build_task
 from actloop.models import Models, load_models
 from actloop.monitor.metrics import JsonlSink, mean, std
@@ -24,7 +25,8 @@ from actloop.rollout.engine import HFEngine, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.train.evaluate import evaluate
-from actloop.train.logprobs import token_logprobs
+from actloop.train.critic import Critic
+from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
 
 
@@ -37,6 +39,8 @@ class RunResult:
 def make_run_dir(cfg: Config) -> Path:
     name = cfg.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.output_dir) / name
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run directory {run_dir} already holds a run; choose another run_name")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     return run_dir
@@ -59,52 +63,55 @@ class PromptSampler:
         return out
 
 
-def grpo_update(cfg: Config, models: Models, optimizer: torch.optim.Optimizer, scored: list[Scored],
-                advantages: torch.Tensor) -> dict[str, float]:
-    """One optimizer step on a rollout batch (one update per batch: the on-policy fast path,
-    old log-probs = current ones detached, ratio exactly 1).
+def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSampler, sampling: SamplingParams):
+    """Roll out and score `prompts_per_step` groups. With dynamic sampling, groups whose rewards
+    are all equal are dropped and replaced by fresh prompts, for at most `max_refill_rounds`
+    extra rounds (whatever is still missing then is trained without).
+    Returns (scored, groups dropped, seconds spent scoring)."""
+    G, want = cfg.train.group_size, cfg.train.prompts_per_step
+    kept: list[Scored] = []
+    dropped, scoring_s = 0, 0.0
+    for round_ in range(1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)):
+        n = want - len(kept) // G
+        if n <= 0:
+            break
+        rows = sampler.next(n)
+        trajs = run_episodes(engine, renderer, task.make_env, [r for r in rows for _ in range(G)], sampling,
+                             cfg.rollout.max_turns)
+        t0 = time.time()
+        scored = shape_rewards(cfg, task.rubric.score(trajs))
+        scoring_s += time.time() - t0
+        if not cfg.train.dynamic_sampling:
+            return scored, 0, scoring_s
+        rewards = torch.tensor([s.reward for s in scored]).view(-1, G)
+        valid = torch.tensor([not s.masked for s in scored]).view(-1, G)
+        keep, n_drop = dynamic_sampling_filter(rewards, valid)
+        dropped += n_drop
+        last = round_ == cfg.train.max_refill_rounds
+        for g in range(len(rows)):
+            if keep[g] or (last and not kept):  # never end a step with nothing to train on
+                kept += scored[g * G : (g + 1) * G]
+    return kept, dropped, scoring_s
 
-    Trajectories with zero advantage add nothing to the policy gradient, so without a KL term
-    they are skipped — they still count in the loss normaliser, so the loss is the same."""
+
+def shape_rewards(cfg: Config, scored: list[Scored]) -> list[Scored]:
+    """DAPO's soft overlong penalty and overlong filtering (masking truncated episodes)."""
+    import dataclasses
+
     t = cfg.train
-    valid = [i for i, s in enumerate(scored) if not s.masked]
-    work = [i for i in valid if t.beta > 0 or advantages[i] != 0]
-    work.sort(key=lambda i: len(scored[i].trajectory.input_ids))  # similar lengths share a micro-batch: less padding
-    num_seqs = len(valid)
-    num_tokens = sum(scored[i].trajectory.num_response_tokens for i in valid)
-    policy = models.policy
-    policy.train()
-    optimizer.zero_grad(set_to_none=True)
-    metrics: dict[str, list[float]] = {"clip_frac": [], "kl": [], "entropy": []}
-    for start in range(0, len(work), t.micro_batch_size):
-        idx = work[start : start + t.micro_batch_size]
-        seqs = [scored[i].trajectory.input_ids for i in idx]
-        masks = [scored[i].trajectory.loss_mask for i in idx]
-        out = token_logprobs(policy, seqs, masks, cfg.rollout.temperature, t.precision)
-        ref_logp = None
-        if t.beta > 0:
-            with torch.no_grad(), models.reference_context():
-                ref_logp = token_logprobs(models.reference_model(), seqs, masks, cfg.rollout.temperature, t.precision).logp
-        weights = token_weights(out.mask, t.loss_agg, num_seqs, num_tokens)
-        loss, m = clipped_pg_loss(out.logp, out.logp.detach(), advantages[idx].to(out.logp.device), weights,
-                                  t.clip_eps, ref_logp, t.beta)
-        loss.backward()
-        n = out.mask.sum().clamp(min=1)
-        metrics["entropy"].append(float((out.entropy * out.mask).sum() / n))
-        metrics["clip_frac"].append(m["clip_frac"])
-        if "kl" in m:
-            metrics["kl"].append(m["kl"])
-    params = [p for p in policy.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)) if work else 0.0
-    if work:
-        optimizer.step()
-    return {
-        "grad_norm": grad_norm,
-        "entropy": mean(metrics["entropy"]),
-        "clip_frac": mean(metrics["clip_frac"]),
-        "kl": mean(metrics["kl"]),
-        "trained_trajectories": len(work),
-    }
+    if t.overlong_buffer <= 0 and not t.mask_truncated:
+        return scored
+    out = []
+    for s in scored:
+        longest = max((len(turn.token_ids) for turn in s.trajectory.turns), default=0)
+        reward, components = s.reward, dict(s.components)
+        if t.overlong_buffer > 0:
+            pen = float(overlong_penalty(torch.tensor([longest]), cfg.rollout.max_new_tokens, t.overlong_buffer,
+                                         t.overlong_penalty)[0])
+            reward, components["overlong"] = reward + pen, pen
+        masked = s.masked or (t.mask_truncated and s.trajectory.truncated)
+        out.append(dataclasses.replace(s, reward=reward, components=components, masked=masked))
+    return out
 
 
 def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, Any]:
@@ -158,8 +165,16 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     renderer = Renderer(models.tokenizer)
     engine = HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
                       precision=cfg.train.precision, weights="live" if models.lora else "copy")
-    params = [p for p in models.policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    critic = Critic(models.policy, cfg.ppo.critic) if cfg.algo == "ppo" else None
+    param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
+    if critic is not None:
+        param_groups.append({"params": list(critic.parameters()), "lr": cfg.ppo.critic_lr})
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    # IS correction is on by default when the engine samples from its own copy of the weights
+    correction = cfg.correction.mode
+    if correction == "auto":
+        correction = "tis_token" if engine.weights == "copy" else "none"
+    ctx = UpdateContext(cfg, models, optimizer, critic, cfg.train.beta, correction)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg.train.warmup_steps) if cfg.train.warmup_steps else 1.0)
     sampler = PromptSampler(task.train_rows, cfg.seed)
@@ -181,29 +196,24 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         task_id = bar.add_task("train", total=cfg.train.steps, reward=0.0, success=0.0)
         for step in range(1, cfg.train.steps + 1):
             t0 = time.time()
-            # 1. roll out G episodes for each of the step's prompts
-            rows = sampler.next(cfg.train.prompts_per_step)
-            group_rows = [r for r in rows for _ in range(cfg.train.group_size)]
+            # 1. roll out G episodes for each of the step's prompts (refilling all-equal groups)
             tok0 = engine.generated_tokens
-            trajs = run_episodes(engine, renderer, task.make_env, group_rows, sampling, cfg.rollout.max_turns)
-            t1 = time.time()
-            # 2. score them
-            scored = task.rubric.score(trajs)
+            scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling)
             t2 = time.time()
-            # 3. group-relative advantages
-            rewards = torch.tensor([s.reward for s in scored]).view(-1, cfg.train.group_size)
-            valid = torch.tensor([not s.masked for s in scored]).view(-1, cfg.train.group_size)
-            advantages = grpo_advantages(rewards, valid, scale=cfg.train.adv_scale).flatten()
-            # 4. update the policy, then hand the new weights to the engine
-            upd = grpo_update(cfg, models, optimizer, scored, advantages)
+            t1 = t2 - scoring_s  # rollout time excludes scoring
+            # 2. advantages and the policy update (actloop.train.update), then new weights to the engine
+            upd = rl_update(ctx, scored, cfg.train.group_size)
             scheduler.step()
             engine.sync_weights(models.policy)
+            # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target)
+            ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon, len(scored))
             t3 = time.time()
-            # 5. log
+            # 4. log
             new_tokens = engine.generated_tokens - tok0
             gen_tokens, gen_seconds = gen_tokens + new_tokens, gen_seconds + (t1 - t0)
             record = step_metrics(step, scored, cfg.train.group_size)
             record.update(upd)
+            record["dropped_groups"] = dropped
             record.update(
                 lr=scheduler.get_last_lr()[0],
                 rollout_s=round(t1 - t0, 3),
