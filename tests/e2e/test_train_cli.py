@@ -83,3 +83,36 @@ def test_malformed_data_row_fails_with_file_and_line(tmp_path):
                            "reward.funcs=[actloop.rewards.calculator:used_tool]", f"output_dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and f"{rows}:2" in (proc.stdout + proc.stderr)
+
+
+ALGO_VARIANTS = {
+    "ppo_head_kl_reward": ["algo=ppo", "train.beta=0.05", "kl.mode=reward"],
+    "ppo_separate_critic": ["algo=ppo", "ppo.critic=separate"],
+    "rloo_gspo_two_epochs": ["algo=rloo", "train.policy_loss=gspo", "train.epochs=2", "train.minibatch_size=2"],
+    "reinforce_pp_dapo": ["algo=reinforce_pp", "train.loss_agg=token_mean", "train.clip_high=0.28",
+                          "train.dynamic_sampling=true", "train.overlong_buffer=8", "train.entropy_coef=0.01",
+                          "train.beta=0.05", "kl.controller=adaptive", "correction.mode=mis_seq"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ALGO_VARIANTS))
+def test_online_algorithms_tiny(tmp_path, name):
+    """Each online algorithm completes two steps on the blog reward (which varies within a group)
+    with finite metrics and the keys its maths reports."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
+                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
+        for i in range(10)))
+    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    run_cli("train", *TINY, "train.group_size=4", "train.eval_before=false", "train.eval_after=false",
+            "train.save_final=false", f"output_dir={tmp_path}", "run_name=r", f"data.path={rows}",
+            f"reward.funcs=[{reward}:reasoning_reward_func]", *ALGO_VARIANTS[name])
+    lines = finite_metrics(tmp_path / "r")
+    assert len(lines) == 2
+    assert "is_ratio_mean" in lines[0] or "correction.mode=none" in ALGO_VARIANTS[name]
+    if "algo=ppo" in ALGO_VARIANTS[name]:
+        assert "value_loss" in lines[0]
+    if "train.beta=0.05" in ALGO_VARIANTS[name]:
+        assert any(r["kl"] > 0 for r in lines)
