@@ -197,6 +197,19 @@ class AsyncMixin:
         return await asyncio.to_thread(self.run, code, **kw)  # type: ignore[arg-type]
 
 
+def prepare_run(code: str | None, argv: Sequence[str] | None, files: Files | None, stdin: str | bytes | None,
+                limits: Limits | None, default: Limits) -> tuple[Limits, dict[str, bytes], bytes | None]:
+    """The argument checks every backend's `run` starts with: exactly one of code / argv; files
+    validated (code goes to ``main.py``); stdin as bytes. -> (limits, files, stdin bytes or None)."""
+    if (code is None) == (argv is None) or (argv is not None and not argv):
+        raise ValueError("pass exactly one of `code` or a non-empty `argv`")
+    fs = check_files(files, reserved=("main.py",) if code is not None else ())
+    if code is not None:
+        fs["main.py"] = code.encode()
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    return limits or default, fs, data
+
+
 def check_files(files: Files | None, reserved: Sequence[str] = ()) -> dict[str, bytes]:
     """Validate relative paths (no absolute paths, no ``..``) and encode text to bytes."""
     out: dict[str, bytes] = {}

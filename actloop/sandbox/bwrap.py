@@ -51,7 +51,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from . import _proc
-from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files
+from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files, prepare_run
 
 log = logging.getLogger("actloop.sandbox")
 
@@ -376,13 +376,7 @@ class BwrapSandbox(AsyncMixin):
         stdin: str | bytes | None = None,
         limits: Limits | None = None,
     ) -> ExecResult:
-        if (code is None) == (argv is None) or (argv is not None and not argv):
-            raise ValueError("pass exactly one of `code` or a non-empty `argv`")
-        limits = limits or self.limits
-        fs = check_files(files, reserved=("main.py",) if code is not None else ())
-        if code is not None:
-            fs["main.py"] = code.encode()
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        limits, fs, data = prepare_run(code, argv, files, stdin, limits, self.limits)
         started = time.monotonic()
         proc, slot = self._spawn(argv, code, fs, limits, data is not None)
         try:

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 from . import _proc
-from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files
+from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files, prepare_run
 
 log = logging.getLogger("actloop.sandbox")
 
@@ -173,13 +173,8 @@ class DockerSandbox(AsyncMixin):
         stdin: str | bytes | None = None,
         limits: Limits | None = None,
     ) -> ExecResult:
-        if (code is None) == (argv is None) or (argv is not None and not argv):
-            raise ValueError("pass exactly one of `code` or a non-empty `argv`")
-        limits = limits or self.limits
-        fs = check_files(files, reserved=("main.py",) if code is not None else ())
-        if code is not None:
-            fs["main.py"] = code.encode()
-        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        limits, fs, data = prepare_run(code, argv, files, stdin, limits, self.limits)
+        data = data or b""
         name = f"actloop-sbx-{uuid.uuid4().hex[:16]}"
         started = time.monotonic()
         proc = _proc.spawn(self.command(name, limits), env=_client_env(), stdin_pipe=True)

@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from . import _proc
-from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files
+from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files, prepare_run
 from .bwrap import default_python
 
 log = logging.getLogger("actloop.sandbox")
@@ -287,13 +287,7 @@ class RlimitSandbox(AsyncMixin):
         stdin: str | bytes | None = None,
         limits: Limits | None = None,
     ) -> ExecResult:
-        if (code is None) == (argv is None) or (argv is not None and not argv):
-            raise ValueError("pass exactly one of `code` or a non-empty `argv`")
-        limits = limits or self.limits
-        fs = check_files(files, reserved=("main.py",) if code is not None else ())
-        if code is not None:
-            fs["main.py"] = code.encode()
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        limits, fs, data = prepare_run(code, argv, files, stdin, limits, self.limits)
         started = time.monotonic()
         cmd, workdir, uid = self._prepare(argv, code, fs, limits)
         try:
