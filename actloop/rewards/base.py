@@ -6,7 +6,8 @@
 - `completions`: plain strings — the final assistant message, or the whole transcript after the
   prompt when `reward.completion=transcript`;
 - every other column of the dataset row arrives as a keyword argument holding one value per
-  completion (e.g. `answer_keys`); a function that names a `trajectories` parameter also gets the
+  completion (e.g. `answer_keys`); a function that names a `transcripts` parameter also gets every
+  message after the prompt as one string per completion; one that names `trajectories` gets the
   full `Trajectory` objects (turns, tool calls, token counts).
 - `None` means "not applicable" and is left out of the weighted total.
 """
@@ -75,6 +76,8 @@ def call_reward_func(fn: RewardFunc, trajectories: list[Trajectory], mode: str =
         columns[k] = [t.row.get(k) for t in trajectories]
     if wants(fn, "trajectories"):
         columns["trajectories"] = trajectories
+    if wants(fn, "transcripts"):  # the whole multi-turn transcript, for functions that ask for it
+        columns["transcripts"] = [t.transcript for t in trajectories]
     out = fn(prompts=prompts, completions=completions, **columns)
     name = getattr(fn, "__name__", repr(fn))
     if inspect.isawaitable(out):

@@ -74,3 +74,15 @@ def test_a_raising_reward_masks_the_batch_and_is_counted_not_zeroed():
     scored = rubric.score([traj("x")])
     assert scored[0].masked and "reward_error" in scored[0].flags
     assert len(rubric.errors) == 1 and "judge down" in rubric.errors[0]
+
+
+def test_a_function_can_ask_for_the_whole_transcript():
+    t = Trajectory(prompt_messages=(Message("user", "q"),), prompt_ids=(1,),
+                   turns=(Turn(Message("assistant", "call"), (5,), (-0.1,), "tool_call",
+                               (Message("tool", "42", name="calc"),), (7,)),
+                          Turn(Message("assistant", "The answer is 42."), (6,), (-0.1,), "stop")))
+
+    def f(prompts, completions, transcripts, **kw):
+        return [float("tool: 42" in transcripts[0] and completions[0] == "The answer is 42.")]
+
+    assert call_reward_func(f, [t]) == [1.0]
