@@ -91,37 +91,95 @@ def train(
 @app.command("eval")
 def eval_cmd(
     model: str = typer.Option("smollm2-135m-instruct", "--model", help="Model name, directory, or a run directory."),
-    task: str = typer.Option("calculator", "--task", help="Task to evaluate on."),
-    n: int = typer.Option(100, "--n", help="Held-out problems."),
+    task: str = typer.Option("calculator", "--task", help="calculator, gsm8k, gsm8k-tool, mbpp, humaneval, "
+                             "instructions, countdown; or a mixture such as gsm8k:1,mbpp:1."),
+    split: str = typer.Option("test", "--split", help="test, validation (mbpp, generated tasks) or train."),
+    n: int = typer.Option(100, "--n", help="Problems (the first N of the split)."),
+    samples: int = typer.Option(1, "--samples-per-problem", help="Samples per problem; >1 reports pass@k."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (needs 1 sample per problem)."),
+    ks: Optional[str] = typer.Option(None, "--k", help="pass@k for these k, e.g. 1,5,10 (default 1 and the samples)."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     max_turns: int = typer.Option(3, "--max-turns"),
-    seed: int = typer.Option(0, "--seed", help="Seed of the held-out split (same as training's `seed`)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of generated splits (same as training's `seed`)."),
+    workers: int = typer.Option(4, "--workers", help="Sandboxes grading code at once."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local dataset copies (default: "
+                                           "$ACTLOOP_DATA_DIR, else ../shared/data); `hub` for the Hugging Face Hub."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results JSON (default: RUN_DIR/eval/<task>-<split>.json "
+                                       "for a run directory, else runs/evals/<model>-<task>-<split>.json)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
 ) -> None:
-    """Greedy success of a model or checkpoint on a task's held-out split."""
+    """Accuracy (greedy) or pass@k of a model or checkpoint on a task's split: a table and a JSON file."""
     from actloop.data.tasks import build_task
     from actloop.models import load_models
     from actloop.rollout.engine import HFEngine
     from actloop.rollout.renderer import Renderer
     from actloop.train.evaluate import evaluate
 
+    run_dir = None
     if (Path(model) / "final" / "config.json").exists():  # a run directory
-        model = str(Path(model) / "final")
+        run_dir, model = Path(model), str(Path(model) / "final")
+    if samples > 1 and temperature <= 0:
+        _fail("--samples-per-problem > 1 needs --temperature > 0 (greedy samples are all the same)")
     try:
-        cfg = load_config(None, [f"model={model}", f"data.task={task}", f"data.eval_size={n}", f"seed={seed}",
-                                 "data.train_size=0"])
+        k_list = [int(k) for k in ks.split(",")] if ks else None
+    except ValueError:
+        _fail(f"--k must be integers separated by commas, got {ks!r}")
+    data_key = f"data.mix=[{task}]" if ":" in task else f"data.task={task}"
+    overrides = [f"model={model}", data_key, f"data.eval_size={n}", f"seed={seed}", "data.train_size=0",
+                 f"data.split={split}"] + ([f"data.dir={data_dir}"] if data_dir else [])
+    try:
+        cfg = load_config(None, overrides)
         t = build_task(cfg)
+        if not t.eval_rows:
+            _fail(f"{task} has no rows in split `{split}`")
         models = load_models(cfg.model)
     except USER_ERRORS as e:
         _fail(str(e))
     renderer = Renderer(models.tokenizer)
     engine = HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings)
-    res = evaluate(engine, renderer, t, t.eval_rows, max_new_tokens, max_turns)
+    try:
+        res = evaluate(engine, renderer, t, t.eval_rows, max_new_tokens, max_turns, samples_per_problem=samples,
+                       temperature=temperature, ks=k_list, grade_workers=workers, keep_problems=True)
+    except ValueError as e:
+        _fail(str(e))
+    res = {"model": model, "task": task, "split": split, "max_new_tokens": max_new_tokens, "max_turns": max_turns,
+           "seed": seed, **res, "load": t.info.get("load", [])}
+    if out is None:
+        def slug(text: str) -> str:
+            return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+        name = f"{slug(task)}-{split}.json"
+        out = run_dir / "eval" / name if run_dir else Path("runs") / "evals" / f"{slug(Path(model.rstrip('/')).name)}-{name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str) + "\n")
     if as_json:
-        print(json.dumps({k: v for k, v in res.items() if k != "samples"} | {"model": model, "task": task}))
-    else:
-        console.print(f"{model} on {task}: greedy success {res['success']:.1%} over {res['n']} problems "
-                      f"({res['tool_calls_per_episode']:.2f} tool calls per episode, {res['seconds']:.0f}s)")
+        print(json.dumps({k: v for k, v in res.items() if k not in ("samples", "problems", "load")} | {"file": str(out)}))
+        return
+    console.print(_eval_table(res))
+    console.print(f"results: {out}")
+
+
+def _eval_table(res: dict) -> Table:
+    title = f"{res['model']} on {res['task']} ({res['split']}, {res['n']} problems"
+    title += f", {res['samples_per_problem']} samples each at T={res['temperature']:g})" if res["samples_per_problem"] > 1 \
+        else ", greedy)"
+    table = Table(title=title)
+    table.add_column("source")
+    metric_names = ["success"] + [f"pass@{k}" for k in res.get("pass@k", {})]
+    for m in metric_names + ["reward"]:
+        table.add_column("accuracy" if m == "success" and res["samples_per_problem"] == 1 else m, justify="right")
+
+    def row(name: str, d: dict) -> None:
+        cells = [f"{d['success']:.1%}"] + [f"{v:.1%}" for v in d.get("pass@k", {}).values()] + [f"{d['reward']:.3f}"]
+        table.add_row(f"{name} (n={d['n']})", *cells)
+
+    for src, d in res.get("per_source", {}).items():
+        row(src, d)
+    row("all", res)
+    table.caption = (f"{res['tool_calls_per_episode']:.2f} tool calls per episode, malformed {res['malformed_rate']:.1%}, "
+                     f"truncated {res['truncated_rate']:.1%}, masked {res['masked']}, {res['seconds']:.0f}s "
+                     f"(rollout {res['rollout_seconds']:.0f}s, grading {res['grading_seconds']:.0f}s)")
+    return table
 
 
 @config_app.command("show")

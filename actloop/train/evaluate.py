@@ -1,33 +1,116 @@
-"""Greedy evaluation of a policy on held-out rows of a task."""
+"""Evaluation of a policy on held-out rows of a task: greedy accuracy, or pass@k from several
+samples per problem with the unbiased estimator of Chen et al. (2021).
+
+    res = evaluate(engine, renderer, task, rows, max_new_tokens=256, max_turns=3)             # greedy
+    res = evaluate(..., samples_per_problem=10, temperature=0.8, ks=(1, 5, 10))               # pass@k
+    res["success"], res["pass@k"]["5"], res["per_source"]["gsm8k"]["success"], res["problems"][0]
+"""
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from actloop.data.tasks import Task
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
+from actloop.rewards.rubric import Rubric
+from actloop.types import Scored
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k),
+    computed as a product for numerical stability (Chen et al. 2021, Codex paper)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def set_grader_workers(rubric: Rubric, workers: int) -> None:
+    """Let every sandboxed grader of `rubric` (and of a mixture's parts) run `workers` sandboxes at
+    once (`CodeGrader.max_workers`)."""
+    for part in [rubric, *getattr(rubric, "parts", {}).values()]:
+        for term in part.terms:
+            if hasattr(term.func, "max_workers"):
+                term.func.max_workers = max(1, workers)
+
+
+def row_id(row: dict[str, Any], index: int) -> Any:
+    return row.get("task_id", row.get("id", index))
 
 
 def evaluate(engine: Engine, renderer: Renderer, task: Task, rows: list[dict[str, Any]], max_new_tokens: int,
-             max_turns: int) -> dict[str, Any]:
-    """Greedy success rate, mean reward and tool use over `rows`."""
+             max_turns: int, *, samples_per_problem: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+             ks: Sequence[int] | None = None, grade_workers: int | None = None,
+             keep_samples: int = 3, keep_problems: bool = False) -> dict[str, Any]:
+    """Success rate (greedy when `temperature` is 0), mean reward, tool use, and with several
+    samples per problem pass@k for each k in `ks` (default 1 and `samples_per_problem`).
+    `grade_workers` sandboxes grade at once; `keep_problems` adds one record per problem."""
+    k_samples = max(1, samples_per_problem)
+    if k_samples > 1 and temperature <= 0:
+        raise ValueError("several samples per problem need a temperature > 0 (greedy samples are identical)")
+    if grade_workers:
+        set_grader_workers(task.rubric, grade_workers)
+    params = (SamplingParams(max_new_tokens=max_new_tokens, greedy=True) if temperature <= 0 else
+              SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p))
     t0 = time.time()
-    trajs = run_episodes(engine, renderer, task.make_env, rows, SamplingParams(max_new_tokens=max_new_tokens, greedy=True),
+    trajs = run_episodes(engine, renderer, task.make_env, [r for r in rows for _ in range(k_samples)], params,
                          max_turns)
+    t_roll = time.time()
     scored = task.rubric.score(trajs)
-    return {
+    t_grade = time.time()
+    out: dict[str, Any] = {
         "success": mean(s.success for s in scored),
         "reward": mean(s.reward for s in scored),
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
         "malformed_rate": mean(t.num_malformed_calls > 0 for t in trajs),
+        "truncated_rate": mean(t.truncated for t in trajs),
+        "masked": sum(s.masked for s in scored),
         "n": len(rows),
+        "samples_per_problem": k_samples,
+        "temperature": temperature,
         "seconds": round(time.time() - t0, 2),
-        "samples": [
-            {"question": s.trajectory.row.get("question", ""), "transcript": s.trajectory.transcript, "reward": s.reward}
-            for s in scored[:3]
-        ],
+        "rollout_seconds": round(t_roll - t0, 2),
+        "grading_seconds": round(t_grade - t_roll, 2),
     }
+    problems = []
+    for i, row in enumerate(rows):
+        group = scored[i * k_samples:(i + 1) * k_samples]
+        problems.append({"id": row_id(row, i), "source": row.get("source", task.name),
+                         "correct": sum(s.success for s in group), "samples": k_samples,
+                         "rewards": [round(s.reward, 4) for s in group]})
+    ks = sorted({k for k in (ks or (1, k_samples)) if 1 <= k <= k_samples})
+    if k_samples > 1:
+        out["pass@k"] = {str(k): mean(pass_at_k(k_samples, p["correct"], k) for p in problems) for k in ks}
+    sources = sorted({p["source"] for p in problems})
+    if len(sources) > 1:
+        out["per_source"] = {src: _summary([s for s in scored if s.trajectory.row.get("source") == src],
+                                           [p for p in problems if p["source"] == src], k_samples, ks)
+                             for src in sources}
+    if keep_problems:
+        out["problems"] = problems
+    out["samples"] = [{"id": row_id(s.trajectory.row, j // k_samples), "question": _question(s.trajectory.row),
+                       "transcript": s.trajectory.transcript, "reward": s.reward, "flags": [str(f) for f in s.flags]}
+                      for j, s in enumerate(scored[:keep_samples * k_samples:k_samples])]
+    return out
+
+
+def _summary(scored: list[Scored], problems: list[dict[str, Any]], k_samples: int, ks: list[int]) -> dict[str, Any]:
+    d: dict[str, Any] = {"n": len(problems), "success": mean(s.success for s in scored),
+                         "reward": mean(s.reward for s in scored)}
+    if k_samples > 1:
+        d["pass@k"] = {str(k): mean(pass_at_k(k_samples, p["correct"], k) for p in problems) for k in ks}
+    return d
+
+
+def _question(row: dict[str, Any]) -> str:
+    for key in ("question", "text", "instruction", "task_id"):
+        if isinstance(row.get(key), str):
+            return row[key]
+    return str(row.get("target", ""))
+

@@ -1,0 +1,82 @@
+"""Built-in tasks: what `build_task` gives for each, its splits and its errors."""
+
+import pytest
+
+from actloop.config import ConfigError, load_config
+from actloop.data.jsonl import DataError
+from actloop.data.sources import data_dir
+from actloop.data.tasks import TASK_NAMES, build_task
+from actloop.envs.calculator import make_splits
+from actloop.rewards.tasks import gold_completion
+
+needs_data = pytest.mark.skipif(not (data_dir() / "gsm8k" / "test.jsonl").exists(),
+                                reason="no local GSM8K/MBPP copies (set ACTLOOP_DATA_DIR)")
+
+
+def build(*over):
+    return build_task(load_config(None, list(over)))
+
+
+def test_calculator_is_unchanged():
+    t = build()
+    train, held = make_splits(2000, 100, 0)
+    assert (t.name, t.train_rows, t.eval_rows) == ("calculator", train, held)  # no `source` column added
+    assert [x.name for x in t.rubric.terms] == ["correct", "used_tool", "malformed"]
+
+
+@needs_data
+@pytest.mark.parametrize("name", [n for n in TASK_NAMES if n not in ("calculator", "humaneval")])
+def test_each_task_builds_with_tagged_rows(name):
+    t = build(f"data.task={name}", "data.eval_size=7", "data.train_size=30")
+    assert t.name == name and len(t.eval_rows) == 7 and t.train_rows
+    assert {r["source"] for r in t.train_rows + t.eval_rows} == {name}
+    messages, tools = t.make_env().reset(t.eval_rows[0])
+    assert messages[0].role == "system" and messages[-1].role == "user"
+    assert sum(m.role == "assistant" for m in messages) >= 1  # the format is shown, not told
+    assert bool(tools) == (name in ("gsm8k-tool", "mbpp"))
+
+
+@needs_data
+def test_dataset_splits():
+    assert len(build("data.task=gsm8k", "data.eval_size=5000").eval_rows) == 1319
+    assert len(build("data.task=gsm8k").train_rows) == 7473  # dataset tasks use their whole train split
+    val = build("data.task=mbpp", "data.split=validation", "data.eval_size=1000").eval_rows
+    assert [r["task_id"] for r in val] == list(range(511, 601))
+    assert build("data.task=mbpp", "data.train_size=0").train_rows == []
+    with pytest.raises(DataError, match="gsm8k has no split `validation`"):
+        build("data.task=gsm8k", "data.split=validation")
+
+
+@needs_data
+def test_gold_answers_of_the_text_tasks_score_full_marks():
+    for name in ("gsm8k", "gsm8k-tool", "countdown"):
+        t = build(f"data.task={name}", "data.eval_size=200", "data.train_size=0")
+        assert t.rubric.validate(t.eval_rows, gold_completion("gsm8k" if "gsm8k" in name else name), n=None).ok
+
+
+def test_errors_name_the_problem(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="unknown task `poetry` .*gsm8k-tool"):
+        build("data.task=poetry")
+    with pytest.raises(ConfigError, match="humaneval has no training split"):
+        build("data.task=humaneval")
+    with pytest.raises(ConfigError, match="data.bad_rows must be error or skip"):
+        build("data.bad_rows=maybe")
+    with pytest.raises(ConfigError, match="data.split must be"):
+        build("data.split=dev")
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n')
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    monkeypatch.setenv("ACTLOOP_DATA_DIR", str(tmp_path))
+    with pytest.raises(DataError, match=r"gsm8k/test.jsonl:2: field `answer`: missing"):
+        build("data.task=gsm8k")
+    t = build("data.task=gsm8k", "data.bad_rows=skip")
+    assert len(t.eval_rows) == 1 and t.info["load"][1]["skipped"] == 1
+
+
+def test_generated_splits_are_disjoint_and_seeded():
+    t = build("data.task=countdown", "data.train_size=300", "data.eval_size=50")
+    key = lambda r: (tuple(sorted(r["numbers"])), r["target"])  # noqa: E731
+    assert not {key(r) for r in t.train_rows} & {key(r) for r in t.eval_rows}
+    v = build("data.task=countdown", "data.split=validation", "data.eval_size=50").eval_rows
+    assert v != t.eval_rows
+    assert build("data.task=instructions", "seed=5").eval_rows != build("data.task=instructions").eval_rows
