@@ -1,0 +1,133 @@
+"""What the DPO and SFT trainers share with each other (and mirror from the GRPO loop): seeding,
+the run directory, the held-out evaluation task, the engine, optimizer, held-out greedy eval
+before/after, the final checkpoint and summary.json with the same keys as a GRPO run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actloop.config import Config
+from actloop.data.tasks import Task, build_task
+from actloop.models import Models, load_models
+from actloop.monitor.metrics import JsonlSink, mean
+from actloop.rollout.engine import HFEngine
+from actloop.rollout.renderer import Renderer
+from actloop.train.evaluate import evaluate
+from actloop.train.trainer import RunResult, make_run_dir
+
+
+def eval_task(cfg: Config) -> Task:
+    """The task whose held-out rows measure an offline run.
+
+    `data.path` holds the offline trainer's own rows (pairs, conversations), not task rows, so
+    evaluation uses `data.eval_path` (custom rows scored by `reward.funcs`) when given, else the
+    built-in `data.task` (calculator)."""
+    if cfg.data.eval_path:
+        data = dataclasses.replace(cfg.data, path=cfg.data.eval_path)
+    else:
+        data = dataclasses.replace(cfg.data, path=None)
+    return build_task(dataclasses.replace(cfg, data=data))
+
+
+def seed_everything(cfg: Config) -> None:
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+
+
+class Run:
+    """One training run's plumbing; the trainers own the loop in between."""
+
+    def __init__(self, cfg: Config, print_fn=print, need_reference: bool = False, task: Task | None = None):
+        seed_everything(cfg)
+        self.cfg, self.print = cfg, print_fn
+        self.run_dir: Path = make_run_dir(cfg)
+        print_fn(f"run directory: {self.run_dir}")
+        self.task: Task = task if task is not None else eval_task(cfg)
+        self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference)
+        self.renderer = Renderer(self.models.tokenizer)
+        # the same engine as the GRPO loop (its own bf16 copy, or the live LoRA module), so that
+        # eval_before of every algorithm on one model is the same number
+        self.engine = HFEngine(self.models.policy, self.models.tokenizer, self.renderer.eos_token_ids,
+                               self.renderer.stop_strings, precision=cfg.train.precision,
+                               weights="live" if self.models.lora else "copy")
+        self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        self.summary: dict[str, Any] = {"task": self.task.name, "model": cfg.model, "algo": cfg.algo}
+        self.step_seconds: list[float] = []
+
+    def optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        t = self.cfg.train
+        params = [p for p in self.models.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / t.warmup_steps) if t.warmup_steps else 1.0)
+        return opt, sched
+
+    def clip_and_step(self, optimizer, scheduler) -> float:
+        params = [p for p in self.models.policy.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm))
+        optimizer.step()
+        scheduler.step()
+        return grad_norm
+
+    def evaluate(self, label: str) -> None:
+        enabled = self.cfg.train.eval_before if label == "eval_before" else self.cfg.train.eval_after
+        if not enabled or not self.task.eval_rows:
+            return
+        self.engine.sync_weights(self.models.policy)
+        res = evaluate(self.engine, self.renderer, self.task, self.task.eval_rows, self.cfg.rollout.max_new_tokens,
+                       self.cfg.rollout.max_turns)
+        self.summary[label] = res
+        self.print(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
+
+    def log(self, record: dict[str, Any], seconds: float) -> None:
+        self.sink.log(record)
+        self.step_seconds.append(seconds)
+
+    def finish(self) -> RunResult:
+        self.sink.close()
+        self.summary["steps"] = len(self.step_seconds)
+        self.summary["seconds_per_step"] = round(mean(self.step_seconds), 2)
+        self.summary.setdefault("generated_tokens_per_s", 0.0)
+        self.evaluate("eval_after")
+        if self.cfg.train.save_final:
+            final = self.run_dir / "final"
+            save_full_model(self.models, final)
+            self.summary["final_dir"] = str(final)
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        return RunResult(self.run_dir, self.summary)
+
+
+def save_full_model(models: Models, out: Path) -> None:
+    """A plain transformers checkpoint (LoRA merged in), so `model=<run>/final` loads it — the
+    hand-off from SFT (or DPO) to a GRPO run."""
+    policy = models.policy
+    if models.lora:
+        policy = policy.merge_and_unload()
+        models.policy = policy
+    policy.save_pretrained(out)
+    models.tokenizer.save_pretrained(out)
+
+
+def progress_bar(total: int, enabled: bool, label: str = "step"):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn(f"[bold]{label}"), MofNCompleteColumn(), BarColumn(),
+                    TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    disable=not enabled)
+
+
+class Timer:
+    def __init__(self):
+        self.t0 = time.time()
+
+    def __call__(self) -> float:
+        return time.time() - self.t0

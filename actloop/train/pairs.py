@@ -1,0 +1,249 @@
+"""Offline data for the DPO and SFT trainers: conversations rendered to token ids + loss mask.
+
+A conversation is rendered exactly as a rollout of it would be (tokens in, tokens out):
+
+    prompt messages ─► Renderer.prompt_ids                                          mask 0
+    assistant turn  ─► encode(content) (+ end-of-turn token unless it ends a tool call) mask 1
+    tool / user     ─► Renderer.continuation_ids (closing tags, tool results, next   mask 0
+                       generation prompt), as the renderer does for the template
+
+so the loss covers the assistant turns only, and an assistant turn that ends with
+`</tool_call>` is not followed by a trained end-of-turn token (the engine stops on that string;
+the renderer closes the turn with mask 0). `tests/train/test_sft.py` checks that a calculator
+gold trace rendered here has the very ids and mask that a rollout of the same turns produces.
+
+Row formats (JSONL, one object per line; a malformed row fails with its file and line):
+
+    preference (DPO)  {"prompt": [{role, content}...] | "text",
+                       "chosen": "assistant text" | [assistant/tool messages...],
+                       "rejected": same as chosen}
+    supervised (SFT)  {"messages": [{role, content}...]}   (the prompt is everything before the
+                       first assistant message; every assistant message is trained on)
+                      or {"prompt": ..., "completion": "text" | [messages...]}
+
+Assistant messages may carry OpenAI-style `tool_calls` ([{"function": {"name", "arguments"}}]);
+they are written into the content in the Hermes format the renderer parses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actloop.data.jsonl import ROLES, DataError, validate_row
+from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer
+from actloop.types import Message
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """A rendered conversation: ids [L] and loss mask [L] (1 on assistant tokens)."""
+
+    ids: tuple[int, ...]
+    mask: tuple[int, ...]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A preference pair: the same prompt, a chosen and a rejected continuation."""
+
+    chosen: Sequence
+    rejected: Sequence
+    row: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def _hermes_calls(calls: Any, where: str) -> str:
+    """OpenAI-style tool_calls -> Hermes `<tool_call>{...}</tool_call>` text."""
+    out = []
+    for c in calls:
+        fn = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise DataError(f"{where}: a tool call needs a `name` (or `function.name`), got {c!r:.120}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise DataError(f"{where}: tool call arguments are not valid JSON: {args!r:.120}") from None
+        out.append(f"{TOOL_CALL_OPEN}{json.dumps({'name': fn['name'], 'arguments': args})}{TOOL_CALL_CLOSE}")
+    return "".join(out)
+
+
+def to_messages(items: Any, where: str) -> list[Message]:
+    """A JSON list of {role, content[, name, tool_calls]} -> Messages, validated."""
+    if not isinstance(items, list) or not items:
+        raise DataError(f"{where}: expected a non-empty list of {{role, content}} messages")
+    out = []
+    for j, m in enumerate(items):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(f"{where}: message {j} must be {{\"role\": one of {sorted(ROLES)}, \"content\": string}}, "
+                            f"got {m!r:.120}")
+        content = m.get("content")
+        if content is None and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {j} has no string `content`: {m!r:.120}")
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            content = content + _hermes_calls(m["tool_calls"], f"{where}: message {j}")
+        out.append(Message(m["role"], content, name=m.get("name")))
+    return out
+
+
+def ends_with_tool_call(text: str) -> bool:
+    """The engine stops sampling at `</tool_call>`: such a turn has no sampled end-of-turn token."""
+    return text.rstrip().endswith(TOOL_CALL_CLOSE)
+
+
+def _end_of_turn_id(renderer: Renderer) -> int | None:
+    """The token that closes an assistant turn in this template, when it is the EOS token."""
+    closing = renderer.continuation_text([], ended_with_eos=False)
+    if renderer.eos_text and closing.startswith(renderer.eos_text):
+        ids = renderer.encode(renderer.eos_text)
+        if len(ids) == 1:
+            return ids[0]
+    return None
+
+
+def render_conversation(renderer: Renderer, prompt: list[Message], completion: list[Message]) -> Sequence:
+    """prompt (ends before the first assistant turn) + completion (starts with an assistant turn)
+    -> ids and a mask that is 1 exactly on the assistant turns (and their end-of-turn token)."""
+    if not completion or completion[0].role != "assistant":
+        raise ValueError("a completion must start with an assistant message")
+    turns: list[tuple[Message, list[Message]]] = []
+    for m in completion:
+        if m.role == "assistant":
+            turns.append((m, []))
+        else:
+            turns[-1][1].append(m)
+    eot = _end_of_turn_id(renderer)
+    ids = renderer.prompt_ids(prompt)
+    mask = [0] * len(ids)
+    for k, (msg, env) in enumerate(turns):
+        ended_with_eos = not ends_with_tool_call(msg.content) and eot is not None
+        turn_ids = renderer.encode(msg.content) + ([eot] if ended_with_eos else [])
+        ids += turn_ids
+        mask += [1] * len(turn_ids)
+        if k < len(turns) - 1:  # what follows is rendered as the rollout loop renders env messages
+            cont = renderer.continuation_ids(env, ended_with_eos)
+            ids += cont
+            mask += [0] * len(cont)
+    return Sequence(tuple(ids), tuple(mask))
+
+
+def masked_spans(ids, mask) -> list[list[int]]:
+    """The maximal runs of loss-masked tokens (one per assistant turn)."""
+    spans, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    return spans
+
+
+# -------------------------------------------------------------------------------------- loading
+
+
+def read_jsonl_objects(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for every non-empty line; bad JSON fails with file:line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            rows.append((where, row))
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _completion(value: Any, where: str, key: str) -> list[Message]:
+    if isinstance(value, str):
+        return [Message("assistant", value)]
+    msgs = to_messages(value, f"{where}: `{key}`")
+    if msgs[0].role != "assistant":
+        raise DataError(f"{where}: `{key}` must start with an assistant message")
+    return msgs
+
+
+def _prompt(row: dict[str, Any], where: str) -> list[Message]:
+    row = validate_row(row, where)  # a string prompt becomes one user turn
+    msgs = to_messages(row["prompt"], f"{where}: `prompt`")
+    return msgs
+
+
+def parse_preference_row(row: dict[str, Any], where: str) -> tuple[list[Message], list[Message], list[Message]]:
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in row:
+            raise DataError(f"{where}: a preference row needs `prompt`, `chosen` and `rejected`; `{key}` is missing")
+    return _prompt(row, where), _completion(row["chosen"], where, "chosen"), _completion(row["rejected"], where, "rejected")
+
+
+def load_preference_pairs(path: str | Path, renderer: Renderer) -> list[Pair]:
+    pairs = []
+    for where, row in read_jsonl_objects(path):
+        prompt, chosen, rejected = parse_preference_row(row, where)
+        pairs.append(Pair(render_conversation(renderer, prompt, chosen), render_conversation(renderer, prompt, rejected),
+                          row))
+    return pairs
+
+
+def parse_sft_row(row: dict[str, Any], where: str) -> tuple[list[Message], list[Message]]:
+    if "messages" in row:
+        msgs = to_messages(row["messages"], f"{where}: `messages`")
+        first = next((i for i, m in enumerate(msgs) if m.role == "assistant"), None)
+        if first is None:
+            raise DataError(f"{where}: `messages` has no assistant message to train on")
+        if first == 0:
+            raise DataError(f"{where}: `messages` needs at least one message before the first assistant turn")
+        return msgs[:first], msgs[first:]
+    if "prompt" in row and "completion" in row:
+        return _prompt(row, where), _completion(row["completion"], where, "completion")
+    raise DataError(f"{where}: an SFT row needs `messages` (or `prompt` and `completion`)")
+
+
+def load_sft_sequences(path: str | Path, renderer: Renderer) -> list[Sequence]:
+    return [render_conversation(renderer, *parse_sft_row(row, where)) for where, row in read_jsonl_objects(path)]
+
+
+# ------------------------------------------------------------------------------ calculator data
+
+
+def calculator_gold_messages(row: dict[str, Any]) -> tuple[list[Message], list[Message]]:
+    """The ReTool-style cold-start trace of one calculator problem: the environment's own prompt
+    (system + worked examples + question), then a tool call with the row's expression, the tool
+    result, and `The answer is N.`"""
+    from actloop.envs.calculator import CalculatorEnv, _example
+
+    prompt, _tools = CalculatorEnv().reset(row)
+    return list(prompt), _example(row["question"], row["expression"])[1:]
+
+
+def calculator_gold_sequences(rows: list[dict[str, Any]], renderer: Renderer) -> list[Sequence]:
+    return [render_conversation(renderer, *calculator_gold_messages(r)) for r in rows]
+
+
+def messages_json(messages) -> list[dict[str, Any]]:
+    return [m.to_dict() for m in messages]

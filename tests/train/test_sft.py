@@ -1,0 +1,162 @@
+"""SFT: gold traces rendered as rollouts are, loss on assistant tokens only, the loss goes down,
+and the SFT -> GRPO chain runs from the recipes."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from actloop.config import load_config
+from actloop.data.jsonl import DataError
+from actloop.envs.calculator import CalculatorEnv, make_splits
+from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.episodes import run_episodes
+from actloop.rollout.renderer import Renderer
+from actloop.train.pairs import (calculator_gold_messages, calculator_gold_sequences, load_sft_sequences,
+                                 masked_spans)
+
+ROOT = Path(__file__).resolve().parents[2]
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+
+class TeacherEngine:
+    """Returns the given assistant turns as if sampled: ids via the tokenizer, an EOS after a
+    turn that does not end in a tool call (the engine stops at `</tool_call>` otherwise)."""
+
+    def __init__(self, renderer, turns):
+        self.r, self.turns, self.i = renderer, turns, 0
+
+    def generate(self, prompts, params):
+        text = self.turns[self.i]
+        self.i += 1
+        ids = self.r.encode(text)
+        stop = text.endswith("</tool_call>")
+        ids = ids if stop else ids + [self.r.eos_token_ids[0]]
+        return [Completion(tuple(ids), (0.0,) * len(ids), "stop_string" if stop else "stop") for _ in prompts]
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokenizer):
+    r = Renderer(tokenizer)
+    rows, _ = make_splits(5, 2, seed=0)
+    for row in rows:
+        [seq] = calculator_gold_sequences([row], r)
+        spans = [r.decode(s) for s in masked_spans(seq.ids, seq.mask)]
+        # the tool call (no end-of-turn: the engine stops at </tool_call>) and the final answer
+        assert spans == [CALL % row["expression"], f"The answer is {row['answer']}.<|im_end|>"]
+        text = r.decode(seq.ids)
+        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in text  # the tool result, mask 0
+        assert text.count(row["question"]) == 1 and text.index(row["question"]) < text.rindex(spans[0])
+        # identical ids and mask to a rollout of the same turns through the real environment
+        prompt, completion = calculator_gold_messages(row)
+        turns = [m.content for m in completion if m.role == "assistant"]
+        [traj] = run_episodes(TeacherEngine(r, turns), r, CalculatorEnv, [row], SamplingParams(max_new_tokens=64), 3)
+        assert list(seq.ids) == traj.input_ids and list(seq.mask) == traj.loss_mask
+        # and the chat template renders the very same text for that conversation
+        full = tokenizer.apply_chat_template([r.as_template_message(m) for m in prompt + completion], tokenize=False)
+        assert text == full.rstrip("\n")
+
+
+def test_gold_traces_score_full_marks(tokenizer):
+    """The calculator rubric gives the gold trace reward 1 (a gold answer that scored 0 would be
+    a grader bug, and SFT on it a waste)."""
+    from actloop.data.tasks import build_task
+
+    r = Renderer(tokenizer)
+    task = build_task(load_config(None, ["data.train_size=4", "data.eval_size=2"]))
+    trajs = []
+    for row in task.train_rows:
+        _, completion = calculator_gold_messages(row)
+        turns = [m.content for m in completion if m.role == "assistant"]
+        trajs += run_episodes(TeacherEngine(r, turns), r, task.make_env, [row], SamplingParams(max_new_tokens=64), 3)
+    assert [s.reward for s in task.rubric.score(trajs)] == [1.0] * 4
+
+
+def test_sft_rows_with_messages_and_tool_calls(tokenizer, tmp_path):
+    r = Renderer(tokenizer)
+    rows = [
+        {"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "12*13?"},
+                      {"role": "assistant", "content": "",
+                       "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression": "12*13"}'}}]},
+                      {"role": "tool", "content": "156", "name": "calculator"},
+                      {"role": "assistant", "content": "The answer is 156."},
+                      {"role": "user", "content": "Plus one?"},
+                      {"role": "assistant", "content": "157."}]},
+        {"prompt": "Say hi.", "completion": "Hi!"},
+    ]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    a, b = load_sft_sequences(path, r)
+    assert [r.decode(s) for s in masked_spans(a.ids, a.mask)] == [
+        CALL % "12*13", "The answer is 156.<|im_end|>", "157.<|im_end|>"]
+    assert "Plus one?" in r.decode(a.ids) and "Use tools." in r.decode(a.ids)
+    assert [r.decode(s) for s in masked_spans(b.ids, b.mask)] == ["Hi!<|im_end|>"]
+
+
+@pytest.mark.parametrize("row, msg", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "before the first assistant turn"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "message 0 must be"),
+    ({"text": "hi"}, "needs `messages`"),
+])
+def test_bad_sft_rows_fail_with_file_and_line(tokenizer, tmp_path, row, msg):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        load_sft_sequences(path, Renderer(tokenizer))
+    assert f"{path}:2" in str(e.value) and msg in str(e.value)
+
+
+@pytest.fixture
+def one_thread():
+    """Training runs pin torch to one thread (much faster on a CPU shared with other jobs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.slow
+def test_sft_on_calculator_gold_traces_lowers_the_loss(tmp_path, one_thread):
+    from actloop.train.trainer import train
+
+    cfg = load_config(None, ["algo=sft", "train.steps=1", "sft.batch_size=2", "sft.epochs=3", "train.lr=1e-4",
+                             "train.threads=1", "train.eval_before=false", "train.eval_after=false",
+                             "data.train_size=20", "data.eval_size=2", f"output_dir={tmp_path}", "run_name=sft"])
+    res = train(cfg, progress=False, print_fn=lambda *_: None)
+    lines = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3] and [r["epoch"] for r in lines] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in lines)
+    # the same two traces three times: the loss on their assistant tokens must fall
+    losses = [r["loss"] for r in lines]
+    assert losses[2] < losses[1] < losses[0], losses
+    assert res.summary["sft_data"]["conversations"] == 2
+    assert lines[0]["tokens"] == res.summary["sft_data"]["assistant_tokens"]  # mask tokens only, both traces
+    assert (res.run_dir / "final" / "config.json").exists()
+
+
+def run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "actloop", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_sft_then_grpo_chain_from_the_recipes(tmp_path):
+    tiny = ["train.threads=1", "train.eval_before=false", "train.eval_after=false", "data.train_size=20",
+            "data.eval_size=2", f"output_dir={tmp_path}", "--no-progress"]
+    run_cli("train", "recipes/sft.yaml", "train.steps=1", "sft.batch_size=2", "run_name=sft", *tiny)
+    final = tmp_path / "sft" / "final"
+    assert (final / "config.json").exists() and (final / "tokenizer_config.json").exists()
+    run_cli("train", "recipes/grpo_after_sft.yaml", f"model={final}", "train.steps=1", "train.prompts_per_step=1",
+            "train.group_size=2", "run_name=grpo", *tiny)
+    lines = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and math.isfinite(lines[0]["reward_mean"])
+    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["model"] == str(final)
