@@ -96,7 +96,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(16, "Optimizer steps (one rollout batch each).")
+    steps: int = opt(20, "Optimizer steps (one rollout batch each).")
     prompts_per_step: int = opt(4, "Distinct prompts per step.")
     group_size: int = opt(8, "Trajectories sampled per prompt (G in GRPO).")
     lr: float = opt(2e-5, "AdamW learning rate.")
