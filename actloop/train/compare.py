@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -229,8 +231,10 @@ class CompareResult:
 def run_compare(algos: list[str], steps: int = 6, eval_size: int = 30, output_dir: str | Path | None = None,
                 overrides: list[str] | tuple[str, ...] = (), prompts_per_step: int | None = None,
                 group_size: int | None = None, seed: int = 0, threads: int = 0, window: int = 0,
-                timeout_s: float | None = None, print_fn=print) -> CompareResult:
-    """Run each algorithm in its own process on the same budget; return the rows and the table."""
+                timeout_s: float | None = None, reuse: bool = False, print_fn=print) -> CompareResult:
+    """Run each algorithm in its own process on the same budget; return the rows and the table.
+    reuse=True keeps the finished runs of an earlier call into the same output_dir (with the same
+    settings: that is the caller's promise) and reruns only the ones that failed or are new."""
     out = Path(output_dir or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     budget = [f"train.steps={steps}", f"data.eval_size={eval_size}", f"seed={seed}"]
@@ -250,18 +254,34 @@ def run_compare(algos: list[str], steps: int = 6, eval_size: int = 30, output_di
         cmd = [sys.executable, "-m", "actloop", "train", *ALGORITHMS[algo], *budget, *common, *per[algo],
                f"output_dir={out}", f"run_name={algo}", "--no-progress"]
         print_fn(f"[{algo}] {' '.join(cmd[2:])}")
-        log = out / f"{algo}.log"
-        code, wall, peak = run_child(cmd, log, timeout_s)
+        log, record = out / f"{algo}.log", out / f"{algo}.result.json"
         run_dir = out / algo
+        if reuse and record.exists() and json.loads(record.read_text()).get("ok"):
+            row = summarize_run(algo, run_dir, window)
+            kept = json.loads(record.read_text())
+            row.wall_s, row.peak_mem_mib = kept["wall_s"], kept["peak_mem_mib"]
+            rows.append(row)
+            print_fn(f"[{algo}] reusing the finished run in {run_dir}")
+            continue
+        if run_dir.exists():  # metrics.jsonl is appended to: start from a clean directory
+            shutil.rmtree(run_dir)
+        code, wall, peak = run_child(cmd, log, timeout_s)
         if code == 0 and (run_dir / "summary.json").exists():
             try:
                 row = summarize_run(algo, run_dir, window)
             except Exception as e:  # a run that finished but wrote something unreadable
                 row = AlgoResult(algo, ok=False, error=f"cannot read results: {e}", run_dir=str(run_dir))
         else:
-            why = "timed out" if timeout_s and wall >= timeout_s else f"exit code {code}"
-            row = AlgoResult(algo, ok=False, error=f"{why}: {_error_line(log)} (log: {log})", run_dir=str(run_dir))
+            if timeout_s and wall >= timeout_s:
+                why = f"timed out after {timeout_s:.0f}s"
+            elif code < 0:
+                why = f"killed by signal {signal.Signals(-code).name}"
+            else:
+                why = f"exit code {code}"
+            row = AlgoResult(algo, ok=False, error=f"{why}; last output: {_error_line(log)} (log: {log})",
+                             run_dir=str(run_dir))
         row.wall_s, row.peak_mem_mib = round(wall, 1), round(peak, 1)
+        record.write_text(json.dumps({"ok": row.ok, "wall_s": row.wall_s, "peak_mem_mib": row.peak_mem_mib}))
         rows.append(row)
         print_fn(f"[{algo}] {'ok' if row.ok else 'FAILED'} in {wall:.0f}s, peak memory {peak:.0f} MiB"
                  + ("" if row.ok else f": {row.error}"))
@@ -293,6 +313,8 @@ def compare(
     window: int = typer.Option(0, "--window", help="k for the reward gain: mean of the last k steps minus the "
                                "first k (0 = steps // 3)."),
     timeout: float = typer.Option(0, "--timeout", help="Seconds before one algorithm's run is killed (0 = none)."),
+    reuse: bool = typer.Option(False, "--reuse", help="In an existing --output-dir, keep the runs that finished "
+                               "and rerun only the failed or new algorithms (same settings assumed)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="key=value for every run, or algo:key=value for "
                                              "one (repeatable), e.g. --set train.beta=0.04 --set dpo:dpo.beta=0.2."),
 ) -> None:
@@ -301,7 +323,7 @@ def compare(
     names = [a.strip() for a in algos.split(",") if a.strip()]
     res = run_compare(names, steps=steps, eval_size=eval_size, output_dir=output_dir, overrides=list(set_ or []),
                       prompts_per_step=prompts_per_step, group_size=group_size, seed=seed, threads=threads,
-                      window=window, timeout_s=timeout or None)
+                      window=window, timeout_s=timeout or None, reuse=reuse)
     print()
     print(res.table)
     print()

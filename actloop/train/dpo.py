@@ -6,7 +6,7 @@ Offline (`algo=dpo`, the default `dpo.online=false`):
              policy log-probs of chosen + rejected ─► algos.dpo_loss ─► clip ─► AdamW
 
   The pairs come from `data.path` (JSONL rows `prompt`, `chosen`, `rejected`; see
-  `actloop.train.pairs`) or, without it, from the initial policy on the calculator task:
+  `actloop.train.pairs`) or, without it, from the initial policy on `data.task` (calculator):
   `train.steps * train.prompts_per_step` training problems, `train.group_size` samples each,
   best vs worst reward per group (`algos.build_preference_pairs`, ties skipped), generated once
   at the start and written to RUN_DIR/pairs.jsonl. The reference is the initial policy, so its

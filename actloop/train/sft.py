@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 
-from actloop.config import Config
+from actloop.config import Config, ConfigError
 from actloop.train.common import Run, Timer, progress_bar
 from actloop.train.logprobs import token_logprobs
 from actloop.train.pairs import Sequence, calculator_gold_sequences, load_sft_sequences
@@ -59,7 +59,8 @@ def sft_data(cfg: Config, run: Run, print_fn=print) -> list[Sequence]:
         source = cfg.data.path
     else:
         if run.task.name != "calculator":
-            raise ValueError(f"algo=sft without data.path needs the calculator task, not `{run.task.name}`")
+            raise ConfigError(f"algo=sft without data.path has gold traces for data.task=calculator only, "
+                              f"not `{run.task.name}`: set data.path to a JSONL of conversations")
         n = min(cfg.train.steps * cfg.sft.batch_size, len(run.task.train_rows))
         rows = PromptSampler(run.task.train_rows, cfg.seed).next(n)
         seqs = calculator_gold_sequences(rows, run.renderer)

@@ -1,6 +1,7 @@
 """`actloop compare`: rows from run directories, failed algorithms as rows, the table and plot,
 and a real 2-algorithm x 1-step comparison in child processes."""
 
+import importlib.util
 import json
 import math
 
@@ -87,5 +88,18 @@ def test_compare_grpo_and_dpo_one_step_each(tmp_path):
     # same model, same held-out set, same engine: the same score before training
     assert res.rows[0].success_before == res.rows[1].success_before
     assert "| grpo |" in res.table and "| dpo |" in res.table
-    assert res.png is not None and res.png.read_bytes()[:4] == b"\x89PNG"
+    if importlib.util.find_spec("matplotlib"):  # the plot needs matplotlib; the table does not
+        assert res.png is not None and res.png.read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "compare.md").read_text().count("ok, 1 steps") == 2
+
+
+def test_reuse_keeps_finished_runs_and_reruns_failed_ones(tmp_path):
+    fake_run(tmp_path, "grpo", [0, 1], [0.1, 0.2], [1, 2])
+    (tmp_path / "grpo.result.json").write_text(json.dumps({"ok": True, "wall_s": 60.0, "peak_mem_mib": 1234.0}))
+    (tmp_path / "dpo.result.json").write_text(json.dumps({"ok": False, "wall_s": 5.0, "peak_mem_mib": 99.0}))
+    res = run_compare(["grpo", "dpo"], steps=2, eval_size=2, output_dir=tmp_path, reuse=True,
+                      overrides=["dpo:train.steps=-1"], print_fn=lambda *_: None)
+    g, d = res.rows
+    assert g.ok and g.peak_mem_mib == 1234.0 and g.wall_s == 60.0 and g.reward_gain == 1.0  # not rerun
+    assert not d.ok and "train.steps must be >= 0" in d.error  # rerun (and failed again)
+    assert json.loads((tmp_path / "dpo.result.json").read_text())["ok"] is False
