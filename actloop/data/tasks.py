@@ -65,6 +65,7 @@ class TaskDef:
     rows: Callable[[Config, str, int], tuple[list[Row], dict[str, Any]]]  # (cfg, split, n or -1 = all)
     success: str
     detectors: tuple = ()
+    policies: tuple[tuple[str, str], ...] = ()  # flag -> policy, over the defaults
 
 
 def _dataset(name: str) -> Callable[[Config, str, int], tuple[list[Row], dict[str, Any]]]:
@@ -141,8 +142,10 @@ def _builtin() -> dict[str, TaskDef]:
         "gsm8k": TaskDef("gsm8k", gsm8k.cot_env, _gsm8k_terms, _dataset("gsm8k"), "correct"),
         "gsm8k-tool": TaskDef("gsm8k-tool", gsm8k.GSM8KToolEnv, _gsm8k_tool_terms, _dataset("gsm8k"), "correct"),
         "mbpp": TaskDef("mbpp", code.MBPPEnv, _mbpp_terms, _dataset("mbpp"), "tests", _code_detectors()),
+        # evaluation only: a detector flag is reported, not scored, so pass@k stays HumanEval's own
+        # (two canonical solutions trip `special_casing` with their base cases: HumanEval/63, /66)
         "humaneval": TaskDef("humaneval", code.humaneval_env, _humaneval_terms, _dataset("humaneval"), "tests",
-                             _code_detectors()),
+                             _code_detectors(), (("special_casing", "log"),)),
         "instructions": TaskDef("instructions", instructions.env, _instructions_terms,
                                 _generated(instructions.make_splits), "instructions"),
         "countdown": TaskDef("countdown", countdown.env, _countdown_terms, _generated(countdown.make_splits), "correct"),
@@ -155,7 +158,7 @@ GENERATED = ("calculator", "instructions", "countdown")
 
 def _rubric(d: TaskDef, cfg: Config, user_terms: list[RewardTerm]) -> Rubric:
     return Rubric(d.terms() + user_terms, completion=cfg.reward.completion, success_component=d.success,
-                  success_threshold=1.0, detectors=d.detectors)
+                  success_threshold=1.0, detectors=d.detectors, policies=dict(d.policies))
 
 
 def _calculator_rubric(cfg: Config, user_terms: list[RewardTerm]) -> Rubric:

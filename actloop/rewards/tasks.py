@@ -120,8 +120,10 @@ def rubric_for(task: str, policies: Mapping[str, Policy | str] | None = None, **
     if task == "humaneval":
         from actloop.envs.code import HumanEvalGrader
 
+        # evaluation only: `special_casing` is reported, not scored (it trips on two canonical solutions)
         return Rubric([RewardTerm("tests", HumanEvalGrader(**grader_kw))], detectors=CODE_DETECTORS,
-                      policies=dict(policies or {}), success_component="tests", success_threshold=1.0)
+                      policies={"special_casing": "log", **(policies or {})}, success_component="tests",
+                      success_threshold=1.0)
     if task == "countdown":
         from actloop.envs.countdown import answer_format, countdown_reward
 

