@@ -38,8 +38,9 @@ class DataConfig:
     )
     path: str | None = opt(
         None,
-        "JSONL file of custom rows: a chat-format `prompt` (list of {role, content}) plus any "
-        "extra columns, which reach reward functions as keyword arguments. Overrides the task's data.",
+        "JSONL file of custom rows (also .jsonl.gz, .parquet or a Hub id): a chat-format `prompt` (list of "
+        "{role, content}) plus any extra columns, which reach reward functions as keyword arguments. Overrides the "
+        "task's data.",
     )
     train_size: int = opt(
         2000,

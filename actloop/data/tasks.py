@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from actloop.config import Config, ConfigError
-from actloop.data.jsonl import DataError, load_jsonl
+from actloop.data.jsonl import DataError
 from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mix, tag
 from actloop.data.sources import chat_row, is_hub_id, load_dataset_rows, read_rows
 from actloop.envs.base import ChatEnv, Env
@@ -183,9 +183,9 @@ def build_task(cfg: Config) -> Task:
     if cfg.data.mix:
         return _build_mix(cfg, user_terms)
     if cfg.data.path:
-        rows = load_jsonl(cfg.data.path)
+        rows, info = _custom_rows(cfg.data.path, cfg)
         if cfg.data.eval_path:
-            eval_rows = load_jsonl(cfg.data.eval_path)
+            eval_rows, eval_info = _custom_rows(cfg.data.eval_path, cfg)
         else:  # hold out a seeded slice of the file
             rng = random.Random(cfg.seed)
             rows = rows[:]
@@ -195,7 +195,8 @@ def build_task(cfg: Config) -> Task:
         if not user_terms:
             raise ConfigError("data.path needs reward.funcs: name at least one reward function")
         rubric = Rubric(user_terms, completion=cfg.reward.completion, success_threshold=cfg.reward.success_threshold)
-        return Task("custom", ChatEnv, rubric, rows, eval_rows)
+        return Task("custom", ChatEnv, rubric, rows, eval_rows,
+                    info={"load": [info] + ([eval_info] if cfg.data.eval_path else [])})
     if cfg.data.task == "calculator":
         if cfg.data.split == "validation":
             raise ConfigError("calculator has splits train and test (its held-out problems)")
@@ -223,13 +224,19 @@ def _rows(d: TaskDef, cfg: Config, split: str, n: int) -> tuple[list[Row], dict[
 # ------------------------------------------------------------------------------------ mixtures
 
 
-def _custom_source(spec: str, cfg: Config) -> tuple[str, list[Row], dict[str, Any]]:
-    """A custom file (or Hub id) in a mixture: chat-format rows, graded by reward.funcs."""
+def _custom_rows(spec: str, cfg: Config) -> tuple[list[Row], dict[str, Any]]:
+    """Custom rows (JSONL, gzipped JSONL, Parquet or a Hub id): a chat-format `prompt` each."""
     rows, report = read_rows(spec, chat_row, cfg.data.bad_rows)
     if not rows:
-        raise DataError(f"{spec}: no rows")
+        raise DataError(f"{spec}: no rows" + (f" ({report.skipped} skipped as bad)" if report.skipped else ""))
+    return rows, report.to_dict()
+
+
+def _custom_source(spec: str, cfg: Config) -> tuple[str, list[Row], dict[str, Any]]:
+    """A custom file (or Hub id) in a mixture: chat-format rows, graded by reward.funcs."""
+    rows, info = _custom_rows(spec, cfg)
     name = spec if is_hub_id(spec) else Path(spec).name.split(".")[0]
-    return name, rows, report.to_dict()
+    return name, rows, info
 
 
 def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> Task:

@@ -80,3 +80,24 @@ def test_generated_splits_are_disjoint_and_seeded():
     v = build("data.task=countdown", "data.split=validation", "data.eval_size=50").eval_rows
     assert v != t.eval_rows
     assert build("data.task=instructions", "seed=5").eval_rows != build("data.task=instructions").eval_rows
+
+
+def test_custom_data_path_reads_parquet_and_skips_bad_rows(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"say {i}", "k": i} for i in range(10)] + [{"prompt": None, "k": -1}]),
+                   path)
+    over = [f"data.path={path}", f"reward.funcs=[{reward}:one]", "data.eval_size=2"]
+    with pytest.raises(DataError, match=r"rows.parquet:row 11: field `prompt`"):
+        build(*over)
+    t = build(*over, "data.bad_rows=skip")
+    assert t.name == "custom" and len(t.train_rows) + len(t.eval_rows) == 10 and len(t.eval_rows) == 2
+    assert t.info["load"][0]["skipped"] == 1
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no rows"):
+        build(f"data.path={empty}", f"reward.funcs=[{reward}:one]")
