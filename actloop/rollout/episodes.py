@@ -118,4 +118,11 @@ def run_episodes(
                 )
             )
             ep.ids += list(comp.token_ids) + env_ids
+    for ep in episodes:  # release what environments hold (interpreter sessions), however they ended
+        close = getattr(ep.env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:
+                ep.error = ep.error or _error_text()
     return [ep.trajectory() for ep in episodes]

@@ -18,6 +18,7 @@ from actloop.algos import KL_CONTROLLERS
 from actloop.algos.batching import dynamic_sampling_filter
 from actloop.algos.shaping import overlong_penalty
 from actloop.config import Config, ConfigError
+from actloop.data.mix import per_source_metrics
 from actloop.data.tasks import Task, build_task
 from actloop.models import Models, load_models
 from actloop.monitor.metrics import JsonlSink, mean, std
@@ -132,6 +133,7 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
         "truncated_rate": mean(t.truncated for t in trajs),
         "failed_rollouts": sum(s.masked for s in scored),
     }
+    record.update(per_source_metrics(scored))  # source/<name>/... when rows come from a data.mix
     names = sorted({k for s in scored for k in s.components})
     for k in names:
         record[f"reward/{k}"] = mean(s.components[k] for s in scored if k in s.components)
@@ -180,7 +182,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     sampler = PromptSampler(task.train_rows, cfg.seed)
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
     sink = JsonlSink(run_dir / "metrics.jsonl")
-    summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps}
+    summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps, "data": task.info}
 
     def run_eval(label: str) -> None:
         res = evaluate(engine, renderer, task, task.eval_rows, cfg.rollout.max_new_tokens, cfg.rollout.max_turns)
