@@ -119,6 +119,12 @@ class TrainConfig:
     clip_low: float | None = opt(None, "Lower clip range (ratio >= 1 - clip_low); default clip_eps.")
     clip_high: float | None = opt(None, "Upper clip range (ratio <= 1 + clip_high); DAPO's clip-higher uses 0.28.")
     dual_clip: float | None = opt(None, "Dual-clip constant c (> 1) bounding the loss for negative advantages.")
+    turn_credit: bool = opt(
+        False,
+        "Multi-turn credit (grpo): each assistant turn gets its discounted return-to-go (per-turn env "
+        "rewards + the outcome at the last turn) minus the group's mean at that turn (docs/algorithms.md).",
+    )
+    turn_gamma: float = opt(1.0, "Discount between assistant turns for train.turn_credit.")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off; entropy is always logged).")
     epochs: int = opt(1, "Passes over each rollout batch. 1 with one mini-batch = exact on-policy (ratio 1).")
     minibatch_size: int = opt(0, "Trajectories per optimizer step within a rollout batch (0 = the whole batch).")

@@ -88,11 +88,37 @@ def _packed_pass(ctx: UpdateContext, scored: list[Scored], idx: list[int], need_
     return old, ref, values
 
 
+def estimator_name(cfg: Config) -> str:
+    return "turn_grpo" if cfg.train.turn_credit and cfg.algo == "grpo" else ALGO_ESTIMATORS[cfg.algo]
+
+
+def turn_credit_advantages(scored: list[Scored], is_valid: torch.Tensor, group_size: int, gamma: float,
+                           scale: bool) -> dict[int, torch.Tensor]:
+    """Per-token advantages from turn-level returns (actloop.algos turn_level_advantages)."""
+    K = max((len(s.trajectory.turns) for s in scored), default=1) or 1
+    B = len(scored)
+    turn_rewards = torch.zeros(B, K)
+    turn_valid = torch.zeros(B, K, dtype=torch.bool)
+    for i, s in enumerate(scored):
+        turns = s.trajectory.turns
+        for k, t in enumerate(turns):
+            turn_rewards[i, k] = t.reward or 0.0
+            turn_valid[i, k] = bool(is_valid[i])
+        if turns:
+            turn_rewards[i, len(turns) - 1] += s.reward  # the outcome lands on the last turn
+    ids, mask = pack([_turn_ids(s).float() for s in scored])
+    ids = torch.where(mask, ids, torch.full_like(ids, -1)).long()
+    est = ADVANTAGE_ESTIMATORS["turn_grpo"]
+    adv = est.fn(turn_rewards=turn_rewards.view(-1, group_size, K), turn_valid=turn_valid.view(-1, group_size, K),
+                 turn_ids=ids, gamma=gamma, scale=scale)
+    return {i: adv[i, : int(mask[i].sum())] for i in range(B)}
+
+
 def compute_advantages(ctx: UpdateContext, scored: list[Scored], valid: list[int], group_size: int,
                        old: dict, ref: dict, values: dict) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict]:
     """-> ({i: per-token advantages}, {i: per-token returns (PPO)}, metrics)."""
     cfg = ctx.cfg
-    est = ADVANTAGE_ESTIMATORS[ALGO_ESTIMATORS[cfg.algo]]
+    est = ADVANTAGE_ESTIMATORS[estimator_name(cfg)]
     n = len(scored)
     rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
     is_valid = torch.zeros(n, dtype=torch.bool)
@@ -104,11 +130,15 @@ def compute_advantages(ctx: UpdateContext, scored: list[Scored], valid: list[int
         for i in valid:
             kl_pen[i] = ctx.beta * KL_ESTIMATORS[cfg.kl.estimator](old[i], ref[i])
         metrics["kl_penalty"] = mean(float(kl_pen[i].sum()) for i in valid)
+    if est is ADVANTAGE_ESTIMATORS["turn_grpo"]:
+        return turn_credit_advantages(scored, is_valid, group_size, cfg.train.turn_gamma,
+                                      cfg.train.adv_scale != "none"), {}, metrics
     if est.level == "sequence":
         seq_r = rewards.clone()
         for i, p in kl_pen.items():
             seq_r[i] -= float(p.sum())
-        adv = est.fn(rewards=seq_r.view(-1, group_size), valid=is_valid.view(-1, group_size)).flatten()
+        extra = {"scale": cfg.train.adv_scale} if cfg.algo == "grpo" else {}  # group / batch / none (Dr. GRPO)
+        adv = est.fn(rewards=seq_r.view(-1, group_size), valid=is_valid.view(-1, group_size), **extra).flatten()
         return {i: torch.full((lengths[i],), float(adv[i])) for i in range(n)}, {}, metrics
     # token level (PPO): rewards at turn ends (per-turn env rewards, the outcome at the last turn)
     token_rewards = []
@@ -135,7 +165,7 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
     cfg, t = ctx.cfg, ctx.cfg.train
     policy = ctx.models.policy
     valid = [i for i, s in enumerate(scored) if not s.masked]
-    est = ADVANTAGE_ESTIMATORS[ALGO_ESTIMATORS[cfg.algo]]
+    est = ADVANTAGE_ESTIMATORS[estimator_name(cfg)]
     mb_size = t.minibatch_size or len(valid) or 1
     on_policy = t.epochs == 1 and mb_size >= len(valid)
     need_ref = ctx.beta > 0 and ctx.models.reference_model() is not None
