@@ -35,7 +35,8 @@ def validate_row(row: Any, where: str) -> dict[str, Any]:
     return row
 
 
-def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+def read_jsonl_objects(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for every non-empty line, where = "file:line"; bad JSON fails with file:line."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
@@ -49,7 +50,14 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            rows.append(validate_row(row, where))
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            rows.append((where, row))
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Chat-format rows (validated), each failure naming its file and line."""
+    return [validate_row(row, where) for where, row in read_jsonl_objects(path)]

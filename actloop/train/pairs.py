@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actloop.data.jsonl import ROLES, DataError, validate_row
+from actloop.data.jsonl import ROLES, DataError, read_jsonl_objects, validate_row
 from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer
 from actloop.types import Message
 
@@ -154,29 +154,6 @@ def masked_spans(ids, mask) -> list[list[int]]:
 
 
 # -------------------------------------------------------------------------------------- loading
-
-
-def read_jsonl_objects(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) for every non-empty line; bad JSON fails with file:line."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist")
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-            rows.append((where, row))
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows
 
 
 def _completion(value: Any, where: str, key: str) -> list[Message]:
