@@ -2,9 +2,7 @@
 environment's episode, then the task's rubric. A gold answer scores full marks; a wrong one
 does not."""
 
-import gc
 import json
-import weakref
 from collections import Counter
 
 import pytest
@@ -91,12 +89,8 @@ def test_gsm8k_tool_wrong_answer_and_unfinished_episode(renderer, scripted):
     assert "ZeroDivisionError" in trajs[1].turns[0].env_messages[0].content
     assert s_cut.components["tool_errors"] == 1.0
     assert envs[0].session is None
-    # the rollout stopped episode 2 itself: its session goes when the environment does
-    session = weakref.ref(envs[1].session)
-    proc = envs[1].session._proc
-    envs.clear()
-    gc.collect()
-    assert session() is None and proc.poll() is not None
+    # the rollout stopped episode 2 itself (turn budget): run_episodes closes its environment
+    assert envs[1].session is None
 
 
 @needs_sandbox
