@@ -182,6 +182,20 @@ def _eval_table(res: dict) -> Table:
     return table
 
 
+@app.command("report")
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default RUN_DIR/report)."),
+) -> None:
+    """PNG plots of a run and one self-contained HTML page (summary, plots, alarms, samples, config)."""
+    from actloop.monitor.report import build_report
+
+    if not run_dir.is_dir():
+        _fail(f"{run_dir} is not a directory")
+    page = build_report(run_dir, out)
+    console.print(f"report: {page}")
+
+
 @config_app.command("show")
 def config_show(
     args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] to show resolved values."),

@@ -204,6 +204,43 @@ class LoraConfig:
     )
 
 
+@dataclass
+class MonitorConfig:
+    tensorboard: bool = opt(False, "Also write TensorBoard event files to RUN_DIR/tensorboard (needs `tensorboard`).")
+    wandb_project: str | None = opt(
+        None, "Weights & Biases project to log to (needs `wandb`; WANDB_MODE=offline writes RUN_DIR/wandb only)."
+    )
+    sample_every: int = opt(
+        5, "Write sample trajectories (full multi-turn text) to samples.jsonl at step 1 and every N steps (0 = off)."
+    )
+    samples_per_step: int = opt(4, "Trajectories written per sampled step: the best and worst of each group in turn.")
+    alarms: bool = opt(True, "Watch the metrics for trouble; an alarm prints once per episode and goes to alarms.jsonl.")
+    window: int = opt(5, "Steps per alarm window: the baseline is the first `window` steps, trends compare windows.")
+    rearm_steps: int = opt(2, "Steps a condition must stay clear before its alarm can fire again.")
+    entropy_collapse_ratio: float = opt(0.25, "Alarm when entropy falls below this fraction of its baseline.")
+    kl_max: float = opt(0.5, "Alarm when the KL to the reference (per token) exceeds this.")
+    grad_spike_ratio: float = opt(5.0, "Alarm when grad_norm exceeds this multiple of the previous window's median.")
+    length_ratio: float = opt(2.0, "Alarm when response tokens per episode exceed this multiple of the baseline.")
+    truncated_max: float = opt(0.5, "... or when more than this fraction of episodes is cut off at max_new_tokens.")
+    zero_variance_max: float = opt(
+        0.8, "Alarm when the window's mean fraction of groups with all-equal rewards (no signal) exceeds this."
+    )
+    flag_rise: float = opt(0.1, "Alarm when the hack-flag rate of the last window exceeds the window before by this.")
+    hack_reward_rise: float = opt(
+        0.05, "Reward-hacking signature: training reward rose by at least this over the span of the held-out points..."
+    )
+    hack_heldout_drop: float = opt(0.05, "... while a held-out signal (monitor.heldout_keys) fell by at least this.")
+    heldout_keys: list[str] = opt(
+        ["eval_success", "eval/success", "judge_agreement"],
+        "Metric keys of held-out success or judge agreement, recorded on some steps; compared by the hacking alarm.",
+    )
+    non_hack_flags: list[str] = opt(
+        ["rollout_error", "reward_error", "detector_error", "judge_error", "sandbox_error", "harness_killed",
+         "judge_disagreement"],
+        "Flags that report infrastructure trouble, not the policy: left out of hack_flag_rate.",
+    )
+
+
 # The defaults are the demo recipe (`actloop train` with no arguments): GRPO on the calculator
 # task with the embedded model, sized for a 2-core CPU (about 25 s a step there).
 
@@ -233,6 +270,7 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig, metadata={"doc": "DPO."})
     sft: SFTConfig = field(default_factory=SFTConfig, metadata={"doc": "Supervised fine-tuning."})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA adapters."})
+    monitor: MonitorConfig = field(default_factory=MonitorConfig, metadata={"doc": "Metric sinks, samples, alarms."})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -435,6 +473,8 @@ def validate(cfg: Config) -> None:
         _one_of("ppo.critic", cfg.ppo.critic, ("head", "separate")),
         _one_of("algo", cfg.algo, ALGOS),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
+        (cfg.monitor.sample_every >= 0, "monitor.sample_every must be >= 0"),
+        (cfg.monitor.window >= 1, "monitor.window must be >= 1"),
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),
         (cfg.train.precision in ("auto", "bf16", "fp32"), "train.precision must be auto, bf16 or fp32"),
         (cfg.reward.completion in ("final", "transcript"), "reward.completion must be final or transcript"),
