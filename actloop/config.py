@@ -92,7 +92,45 @@ class RolloutConfig:
     temperature: float = opt(0.8, "Sampling temperature during training rollouts (log-probs use it too).")
     top_p: float = opt(1.0, "Nucleus sampling during training rollouts (1.0 = off).")
     max_turns: int = opt(3, "Most assistant turns in one episode before it is cut off.")
-    engine: str = opt("hf", "Generation engine: `hf` (transformers generate with a KV cache).")
+    engine: str = opt(
+        "hf",
+        "Generation engine: `hf` (transformers with a KV cache, in this process), `vllm` (vLLM colocated on the "
+        "trainer's GPU), `vllm-server` (a separately started `vllm serve`), `ray` (HF engines on Ray actors, see "
+        "the `ray` section); docs/engines.md.",
+    )
+    vllm_gpu_memory_utilization: float = opt(
+        0.3, "vllm: share of GPU memory the colocated vLLM may take (weights + KV cache); the trainer keeps the rest."
+    )
+    vllm_sleep: bool = opt(
+        True, "vllm: put vLLM to sleep (free its GPU memory) during the update and wake it for the next rollout."
+    )
+    vllm_max_model_len: int = opt(4096, "vllm: longest prompt + completion vLLM schedules (sizes its KV cache).")
+    vllm_server_url: str = opt("http://localhost:8000", "vllm-server: base URL of the `vllm serve` process.")
+    vllm_server_sync: str = opt(
+        "auto",
+        "vllm-server weight sync after each update: `nccl` (full weights over vLLM's /update_weights route), `lora` "
+        "(adapter saved to vllm_adapter_dir and loaded via /v1/load_lora_adapter), `none`; `auto` = lora with LoRA, "
+        "else nccl.",
+    )
+    vllm_server_world_size: int = opt(1, "vllm-server: GPU workers of the server (TP x DP), for the NCCL group size.")
+    vllm_nccl_port: int = opt(51216, "vllm-server: TCP port of the trainer-side NCCL rendezvous (rank 0).")
+    vllm_adapter_dir: str = opt(
+        "", "vllm, vllm-server with LoRA: directory the server can read where adapters are saved (default <output_dir>/vllm-adapters)."
+    )
+
+
+@dataclass
+class RayConfig:
+    address: str = opt(
+        "local", "Ray cluster for rollout.engine=ray: `local` starts one here, `auto` joins `ray start`'s, or ray://host:port."
+    )
+    num_rollout_workers: int = opt(2, "Rollout actors, each with its own copy of the policy and an HF engine.")
+    num_sandbox_workers: int = opt(
+        0, "Sandbox actors that run graded code for the code tasks (0 = code runs in this process's sandbox)."
+    )
+    cpus_per_worker: float = opt(1.0, "CPUs reserved per rollout actor; its torch threads = max(1, int(this)).")
+    gpus_per_worker: float = opt(0.0, "GPUs reserved per rollout actor (> 0: its engine runs on the GPU).")
+    cpus_per_sandbox: float = opt(0.5, "CPUs reserved per sandbox actor.")
 
 
 @dataclass
@@ -263,6 +301,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Data and task."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": "Reward functions."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"doc": "Rollouts."})
+    ray: RayConfig = field(default_factory=RayConfig, metadata={"doc": "Ray scale-out (rollout.engine=ray)."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training."})
     kl: KLConfig = field(default_factory=KLConfig, metadata={"doc": "KL control."})
     correction: CorrectionConfig = field(default_factory=CorrectionConfig, metadata={"doc": "IS correction."})
@@ -462,6 +501,11 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        _one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "vllm-server", "ray")),
+        _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
+        (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
+        (cfg.ray.num_rollout_workers >= 1, "ray.num_rollout_workers must be >= 1"),
+        (cfg.ray.num_sandbox_workers >= 0, "ray.num_sandbox_workers must be >= 0"),
         _one_of("train.loss_agg", cfg.train.loss_agg, REG["loss_agg"]),
         _one_of("train.adv_scale", cfg.train.adv_scale, REG["advantage_scale"]),
         _one_of("train.policy_loss", cfg.train.policy_loss, REG["policy_loss"]),

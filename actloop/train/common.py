@@ -17,7 +17,7 @@ from actloop.config import Config
 from actloop.data.tasks import Task, build_task
 from actloop.models import Models, load_models
 from actloop.monitor.metrics import JsonlSink, mean
-from actloop.rollout.engine import HFEngine
+from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
 from actloop.train.evaluate import evaluate
 from actloop.train.trainer import RunResult, make_run_dir
@@ -56,9 +56,7 @@ class Run:
         self.renderer = Renderer(self.models.tokenizer)
         # the same engine as the GRPO loop (its own bf16 copy, or the live LoRA module), so that
         # eval_before of every algorithm on one model is the same number
-        self.engine = HFEngine(self.models.policy, self.models.tokenizer, self.renderer.eos_token_ids,
-                               self.renderer.stop_strings, precision=cfg.train.precision,
-                               weights="live" if self.models.lora else "copy")
+        self.engine = make_engine(cfg, self.models, self.renderer)
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
         self.summary: dict[str, Any] = {"task": self.task.name, "model": cfg.model, "algo": cfg.algo}
         self.step_seconds: list[float] = []

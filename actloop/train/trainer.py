@@ -22,7 +22,8 @@ from actloop.data.mix import per_source_metrics
 from actloop.data.tasks import Task, build_task
 from actloop.models import Models, load_models
 from actloop.monitor.metrics import JsonlSink, mean, std
-from actloop.rollout.engine import HFEngine, SamplingParams
+from actloop.rollout.engine import SamplingParams
+from actloop.rollout.factory import make_engine
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.train.evaluate import evaluate
@@ -165,8 +166,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     task: Task = build_task(cfg)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0)
     renderer = Renderer(models.tokenizer)
-    engine = HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
-                      precision=cfg.train.precision, weights="live" if models.lora else "copy")
+    engine = make_engine(cfg, models, renderer)
     critic = Critic(models.policy, cfg.ppo.critic) if cfg.algo == "ppo" else None
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
     if critic is not None:
@@ -204,6 +204,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             t2 = time.time()
             t1 = t2 - scoring_s  # rollout time excludes scoring
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine
+            if hasattr(engine, "sleep"):
+                engine.sleep()  # a colocated vLLM frees its GPU memory for the update
             upd = rl_update(ctx, scored, cfg.train.group_size)
             scheduler.step()
             engine.sync_weights(models.policy)

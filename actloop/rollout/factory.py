@@ -1,0 +1,71 @@
+"""`make_engine`: the generation engine `rollout.engine` names, built for the loaded models.
+
+    hf           HFEngine in this process (the default; `breakpoint()` works anywhere in the loop)
+    vllm         VLLMEngine colocated on the trainer's GPU (sleeps during the update)
+    vllm-server  VLLMServerEngine talking to a separately started `vllm serve`
+    ray          RayEngine: HF engines on Ray actors, prompts sharded across them
+
+Every engine returned has `generate`, `sync_weights`, `weights` ("copy" or "live": the trainer
+turns the IS correction on for "copy") and `generated_tokens`. See docs/engines.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from actloop.config import Config, ConfigError
+from actloop.rollout.engine import HFEngine
+
+ENGINES = ("hf", "vllm", "vllm-server", "ray")
+
+
+def adapter_dir(cfg: Config) -> Path:
+    return Path(cfg.rollout.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters")
+
+
+def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
+    kind, r = cfg.rollout.engine, cfg.rollout
+    if kind == "hf":
+        return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
+                        precision=cfg.train.precision, weights="live" if models.lora else "copy")
+    if kind == "vllm":
+        from actloop.models import resolve_model
+        from actloop.rollout.vllm_engine import VLLMEngine
+
+        _need_vllm(kind)
+        return VLLMEngine(resolve_model(cfg.model), renderer.eos_token_ids, renderer.stop_strings,
+                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, sleep=r.vllm_sleep,
+                          max_model_len=r.vllm_max_model_len, lora_rank=cfg.lora.r if models.lora else None,
+                          adapter_dir=adapter_dir(cfg), dtype=_vllm_dtype(cfg), seed=cfg.seed)
+    if kind == "vllm-server":
+        from actloop.rollout.vllm_engine import VLLMServerEngine
+
+        sync = r.vllm_server_sync
+        if sync == "auto":
+            sync = "lora" if models.lora else "nccl"
+        if sync == "lora" and not models.lora:
+            raise ConfigError("rollout.vllm_server_sync=lora needs lora.enabled=true")
+        if sync == "nccl" and models.lora:
+            raise ConfigError("with lora.enabled=true use rollout.vllm_server_sync=lora (or auto)")
+        return VLLMServerEngine(r.vllm_server_url, renderer.eos_token_ids, renderer.stop_strings, sync=sync,
+                                adapter_dir=adapter_dir(cfg), world_size=r.vllm_server_world_size,
+                                master_port=r.vllm_nccl_port, dtype=_vllm_dtype(cfg))
+    if kind == "ray":
+        from actloop.rollout.ray_engine import RayEngine
+
+        engine = RayEngine.from_config(cfg)
+        engine.sync_weights(models.policy)  # the actors start from the trainer's weights (LoRA init is random)
+        return engine
+    raise ConfigError(f"rollout.engine must be one of {', '.join(ENGINES)}; got `{kind}`")
+
+
+def _vllm_dtype(cfg: Config) -> str:
+    return "float32" if cfg.train.precision == "fp32" else "bfloat16"
+
+
+def _need_vllm(kind: str) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"rollout.engine={kind} needs vLLM on a CUDA machine: pip install 'actloop[vllm]'") from None

@@ -1,0 +1,185 @@
+"""Rollouts on Ray actors (`rollout.engine=ray`): `RolloutWorker` actors each hold a copy of the
+policy, an HF engine, a renderer and the task's environment factory; `RayEngine` is the
+driver-side object, an `Engine` like the others, so the training loop is the same loop.
+
+    driver (trainer, envs, rewards)                 Ray actors (any node)
+    run_episodes ── generate(prompts) ──shard──►  RolloutWorker.generate ─► HFEngine
+                 ◄─ completions, in order ◄─────
+    update ──── sync_weights: ray.put(state dict) once ──► every RolloutWorker.load_weights
+
+`RayEngine.run_episodes` runs whole episodes (environments included) on the workers instead, a
+shard of rows each — for environments worth spreading across nodes.
+
+The workers sample from their own copies of the weights (`weights = "copy"`), so the trainer's IS
+correction is on by default, as for HFEngine's bf16 copy. Each actor uses
+max(1, int(ray.cpus_per_worker)) torch threads. The single-process `hf` engine stays the
+default; under Ray a `breakpoint()` inside an actor needs `ray debug`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from actloop.config import Config, RayConfig
+from actloop.rollout.engine import Completion, SamplingParams
+from actloop.types import Trajectory
+
+
+def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """Split range(n) into k contiguous [start, end) shards whose sizes differ by at most one
+    (the first n % k are one longer). Contiguous keeps a prompt's group — and its shared prefix
+    — on one worker."""
+    if k < 1:
+        raise ValueError("need at least one shard")
+    base, extra = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def ray_module():
+    try:
+        import ray
+    except ImportError:
+        from actloop.config import ConfigError
+
+        raise ConfigError("rollout.engine=ray needs ray: pip install 'actloop[ray]'") from None
+    return ray
+
+
+def init_ray(rc: RayConfig) -> bool:
+    """Connect to (or start) Ray as `ray.address` says; a session already started is reused.
+    Returns True when this call started it."""
+    ray = ray_module()
+    if ray.is_initialized():
+        return False
+    if rc.address == "local":
+        need = rc.num_rollout_workers * rc.cpus_per_worker + rc.num_sandbox_workers * rc.cpus_per_sandbox
+        ray.init(num_cpus=max(1, math.ceil(need)), include_dashboard=False)
+    else:  # a cluster: ship this package to the workers
+        ray.init(address=rc.address, runtime_env={"py_modules": [str(Path(__file__).resolve().parents[1])]})
+    return True
+
+
+class RolloutWorker:
+    """One rollout actor's state (wrapped with `ray.remote` by `RayEngine`; plain Python here)."""
+
+    def __init__(self, cfg: Config, index: int, threads: int = 1, device: str = "cpu"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed + 1000 * (index + 1))  # workers must not draw the same samples
+        from actloop.models import load_models
+        from actloop.rollout.engine import HFEngine
+        from actloop.rollout.renderer import Renderer
+
+        self.cfg = cfg
+        self.models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
+        self.models.policy.to(device)
+        self.renderer = Renderer(self.models.tokenizer)
+        self.engine = HFEngine(self.models.policy, self.models.tokenizer, self.renderer.eos_token_ids,
+                               self.renderer.stop_strings, precision=cfg.train.precision,
+                               weights="live" if self.models.lora else "copy")
+        self._task = None
+
+    def ready(self) -> dict[str, Any]:
+        import torch
+
+        return {"pid": os.getpid(), "threads": torch.get_num_threads()}
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.engine.generate(prompts, params)
+
+    def load_weights(self, state: dict[str, Any]) -> int:
+        """Load the broadcast state dict (the whole model, or a LoRA adapter's tensors) into the
+        policy, then refresh the engine's copy. Returns how many tensors were loaded."""
+        missing, unexpected = self.models.policy.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"weights the worker's model does not have: {unexpected[:5]}")
+        if missing and not self.models.lora:
+            raise ValueError(f"weights missing from the broadcast: {missing[:5]}")
+        self.engine.sync_weights(self.models.policy)
+        return len(state)
+
+    def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int,
+                     max_context: int = 4096) -> list[Trajectory]:
+        from actloop.data.tasks import build_task
+        from actloop.rollout.episodes import run_episodes
+
+        if self._task is None:
+            self._task = build_task(self.cfg)
+        return run_episodes(self.engine, self.renderer, self._task.make_env, rows, params, max_turns, max_context)
+
+    def generated_tokens(self) -> int:
+        return self.engine.generated_tokens
+
+
+class RayEngine:
+    """The driver's handle on the rollout actors: the `Engine` interface, sharded."""
+
+    weights = "copy"
+
+    def __init__(self, workers: list[Any], lora: bool = False, sandbox: Any = None):
+        if not workers:
+            raise ValueError("RayEngine needs at least one worker")
+        self.workers, self.lora, self.sandbox = workers, lora, sandbox
+        self.generated_tokens = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RayEngine:
+        ray = ray_module()
+        rc = cfg.ray
+        init_ray(rc)
+        threads = max(1, int(rc.cpus_per_worker))
+        device = "cuda" if rc.gpus_per_worker > 0 else "cpu"
+        actor = ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker)
+        workers = [actor.remote(cfg, i, threads, device) for i in range(rc.num_rollout_workers)]
+        ray.get([w.ready.remote() for w in workers])  # fail here, not in the first step
+        sandbox = None
+        if rc.num_sandbox_workers:
+            from actloop.sandbox.ray_pool import RaySandbox, use_as_default
+
+            sandbox = RaySandbox(rc.num_sandbox_workers, cpus_per_worker=rc.cpus_per_sandbox)
+            use_as_default(sandbox)
+        return cls(workers, lora=bool(cfg.lora.enabled), sandbox=sandbox)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        ray = ray_module()
+        refs = [w.generate.remote(prompts[a:b], params)
+                for w, (a, b) in zip(self.workers, shard_bounds(len(prompts), len(self.workers))) if b > a]
+        out = [c for part in ray.get(refs) for c in part]
+        self.generated_tokens += sum(len(c.token_ids) for c in out)
+        return out
+
+    def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int,
+                     max_context: int = 4096) -> list[Trajectory]:
+        """Whole episodes on the workers, a contiguous shard of rows each; trajectories in row order."""
+        ray = ray_module()
+        refs = [w.run_episodes.remote(rows[a:b], params, max_turns, max_context)
+                for w, (a, b) in zip(self.workers, shard_bounds(len(rows), len(self.workers))) if b > a]
+        out = [t for part in ray.get(refs) for t in part]
+        self.generated_tokens += sum(t.num_response_tokens for t in out)
+        return out
+
+    def sync_weights(self, model: Any) -> None:
+        """One `ray.put` of the (CPU) state dict — only the adapter's tensors with LoRA — then
+        every worker loads it from the object store."""
+        ray = ray_module()
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not self.lora or "lora_" in k}
+        ref = ray.put(state)
+        ray.get([w.load_weights.remote(ref) for w in self.workers])
+
+    def close(self) -> None:
+        ray = ray_module()
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self.sandbox is not None:
+            self.sandbox.close()
