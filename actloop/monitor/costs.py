@@ -15,9 +15,11 @@ import math
 from typing import Any, Mapping
 
 TOKEN_KEYS = ("prompt_tokens", "response_tokens", "tool_tokens")
-JUDGE_KEYS = ("judge_prompt_tokens", "judge_completion_tokens", "judge_cost_usd")
+# the trainer logs the judges' accounting per step as judge/<key> (actloop.rewards.judge.judge_usage)
+JUDGE_KEYS = ("judge/requests", "judge/failed", "judge/prompt_tokens", "judge/completion_tokens", "judge/cost_usd")
 TIME_PARTS = ("rollout", "sandbox", "scoring", "update")
-CUMULATIVE = TOKEN_KEYS + JUDGE_KEYS + tuple(f"{p}_s" for p in TIME_PARTS) + ("step_s",)
+CUMULATIVE = (TOKEN_KEYS + JUDGE_KEYS + ("sandbox_runs", "sandbox_timeouts")
+              + tuple(f"{p}_s" for p in TIME_PARTS) + ("step_s",))
 
 
 def _num(v: Any) -> float | None:

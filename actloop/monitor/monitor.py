@@ -6,7 +6,7 @@
     monitor.close()
 
 `log_step` adds to the record (in place) the flag rates, the cost monitor's totals and time
-split, and the names of the alarms that fire; then writes it to metrics.jsonl (always),
+split, and `alarm/<name>: 1` for each alarm that fires; then writes it to metrics.jsonl (always),
 TensorBoard and W&B (when configured), samples.jsonl every `monitor.sample_every` steps, and
 alarms.jsonl. Nothing in here may stop a run: a sink, the sampler or a detector that raises is
 disabled with one printed warning.
@@ -90,8 +90,7 @@ class Monitor:
         fired: list[Alarm] = []
         if self.mcfg.alarms:
             fired = self._guard("alarms", lambda: self._alarms(record)) or []
-        if fired:
-            record["alarms"] = [a.name for a in fired]
+        record.update({f"alarm/{a.name}": 1 for a in fired})  # numbers only, like every other key
         self.metrics.call("log", record)
         for sink in self.extra.values():
             sink.call("log", record, step)

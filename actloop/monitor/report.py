@@ -157,7 +157,8 @@ def _plot_length(ax, d: RunData) -> bool:
 def _plot_flags(ax, d: RunData) -> bool:
     drawn = False
     for k, label in (("hack_flag_rate", "hack-flag rate"), ("flag_rate", "any flag"),
-                     ("malformed_call_rate", "malformed tool calls"), ("zero_variance_groups", "zero-variance groups")):
+                     ("malformed_call_rate", "malformed tool calls"), ("failures/rate", "failed trajectories"),
+                     ("zero_variance_groups", "zero-variance groups")):
         drawn |= _line(ax, d.metrics, k, label)
     _alarm_lines(ax, d.alarms, ("hack_flag_rise", "zero_variance_groups"))
     ax.set_ylabel("fraction of episodes / groups")
@@ -291,9 +292,11 @@ def _summary_rows(d: RunData) -> list[tuple[str, str]]:
     for k, label in (("total/tokens", "tokens (prompt + response + tool)"), ("total/prompt_tokens", "prompt tokens"),
                      ("total/response_tokens", "response tokens"), ("total/tool_tokens", "tool-output tokens"),
                      ("total/tokens_per_s", "tokens/s (whole run)"),
-                     ("total/judge_prompt_tokens", "judge prompt tokens"),
-                     ("total/judge_completion_tokens", "judge completion tokens"),
-                     ("total/judge_cost_usd", "judge cost (USD)")):
+                     ("total/judge/requests", "judge requests"), ("total/judge/failed", "judge requests failed"),
+                     ("total/judge/prompt_tokens", "judge prompt tokens"),
+                     ("total/judge/completion_tokens", "judge completion tokens"),
+                     ("total/judge/cost_usd", "judge cost (USD)"), ("total/sandbox_runs", "sandbox runs"),
+                     ("total/sandbox_timeouts", "sandbox timeouts")):
         if k in last:
             rows.append((label, _fmt(last[k])))
     fr = {p: last.get(f"total/{p}_s") for p in TIME_PARTS}

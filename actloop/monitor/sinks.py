@@ -33,8 +33,9 @@ class TensorBoardSink:
     def log(self, record: Mapping[str, Any], step: int) -> None:
         for k, v in numeric(record).items():
             self.writer.add_scalar(k, v, step)
-        for a in record.get("alarms", []) or []:
-            self.writer.add_text("alarms", str(a), step)
+        for k in record:
+            if k.startswith("alarm/"):
+                self.writer.add_text("alarms", k.split("/", 1)[1], step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ from actloop.config import Config, ConfigError
 from actloop.data.mix import per_source_metrics
 from actloop.data.tasks import Task, build_task
 from actloop.models import Models, load_models
-from actloop.monitor.metrics import JsonlSink, mean, std
+from actloop.monitor.metrics import mean, std
+from actloop.monitor.monitor import Monitor
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.factory import make_engine
 from actloop.rollout.episodes import run_episodes
@@ -181,7 +182,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         optimizer, lambda s: min(1.0, (s + 1) / cfg.train.warmup_steps) if cfg.train.warmup_steps else 1.0)
     sampler = PromptSampler(task.train_rows, cfg.seed)
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
-    sink = JsonlSink(run_dir / "metrics.jsonl")
+    monitor = Monitor(cfg, run_dir, print_fn)  # metrics.jsonl, samples, alarms, TensorBoard/W&B
     summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps, "data": task.info}
 
     def run_eval(label: str) -> None:
@@ -226,11 +227,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 step_s=round(t3 - t0, 3),
                 gen_tokens_per_s=round(new_tokens / max(t1 - t0, 1e-9), 1),
             )
-            sink.log(record)
+            monitor.log_step(record, scored)
             step_seconds.append(t3 - t0)
             bar.update(task_id, advance=1, reward=record["reward_mean"], success=record["success"])
 
-    sink.close()
+    monitor.close()
+    summary["monitor"] = monitor.summary()
     summary["seconds_per_step"] = round(mean(step_seconds), 2)
     summary["generated_tokens_per_s"] = round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0
     if task.rubric.errors:

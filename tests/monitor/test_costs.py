@@ -5,17 +5,17 @@ from actloop.monitor.costs import CostMonitor, time_split
 
 def test_cumulative_tokens_rates_and_judge_cost():
     c = CostMonitor()
-    a = c.update({"prompt_tokens": 100, "response_tokens": 50, "tool_tokens": 10, "judge_prompt_tokens": 300,
-                  "judge_completion_tokens": 20, "judge_cost_usd": 0.01, "step_s": 4.0, "rollout_s": 3.0})
+    a = c.update({"prompt_tokens": 100, "response_tokens": 50, "tool_tokens": 10, "judge/prompt_tokens": 300,
+                  "judge/completion_tokens": 20, "judge/cost_usd": 0.01, "step_s": 4.0, "rollout_s": 3.0})
     assert a["tokens"] == 160 and a["tokens_per_s"] == 40.0
-    assert a["total/judge_prompt_tokens"] == 300 and a["total/judge_cost_usd"] == 0.01
-    b = c.update({"prompt_tokens": 100, "response_tokens": 70, "tool_tokens": 30, "judge_prompt_tokens": 200,
-                  "judge_completion_tokens": 10, "judge_cost_usd": 0.02, "step_s": 6.0, "rollout_s": 5.0})
+    assert a["total/judge/prompt_tokens"] == 300 and a["total/judge/cost_usd"] == 0.01
+    b = c.update({"prompt_tokens": 100, "response_tokens": 70, "tool_tokens": 30, "judge/prompt_tokens": 200,
+                  "judge/completion_tokens": 10, "judge/cost_usd": 0.02, "step_s": 6.0, "rollout_s": 5.0})
     assert b["tokens"] == 200 and b["tokens_per_s"] == round(200 / 6, 2)
     assert b["total/tokens"] == 360 and b["total/tokens_per_s"] == 36.0      # 360 tokens / 10 s
     assert b["total/prompt_tokens"] == 200 and b["total/response_tokens"] == 120 and b["total/tool_tokens"] == 40
-    assert b["total/judge_prompt_tokens"] == 500 and b["total/judge_completion_tokens"] == 30
-    assert abs(b["total/judge_cost_usd"] - 0.03) < 1e-9
+    assert b["total/judge/prompt_tokens"] == 500 and b["total/judge/completion_tokens"] == 30
+    assert abs(b["total/judge/cost_usd"] - 0.03) < 1e-9
     assert b["total/rollout_s"] == 8.0 and b["total/step_s"] == 10.0
 
 

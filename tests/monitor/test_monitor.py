@@ -42,7 +42,7 @@ def test_log_step_writes_metrics_samples_and_alarms(cfg, tmp_path):
     mon.close()
     metrics = lines(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert metrics[2]["alarms"] == ["kl_blowup"] and "alarms" not in metrics[3]
+    assert metrics[2]["alarm/kl_blowup"] == 1 and not any(k.startswith("alarm/") for k in metrics[3])
     assert metrics[3]["hack_flag_rate"] == 0.25 and metrics[0]["hack_flag_rate"] == 0.0
     assert metrics[3]["total/tokens"] == 4 * 52 and metrics[3]["time/update_frac"] == 0.375
     assert [a["name"] for a in lines(tmp_path / "alarms.jsonl")] == ["kl_blowup"]

@@ -1,0 +1,83 @@
+"""`actloop report` on synthetic run directories: the PNGs, the self-contained page, escaping,
+and runs with few steps, missing keys or nothing at all."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from typer.testing import CliRunner
+
+from actloop.cli import app
+from actloop.monitor.monitor import Monitor
+from actloop.monitor.report import PLOTS, build_report, load_run
+from actloop.rewards.flags import Flag
+
+from .conftest import make_batch, make_scored, record
+
+
+def fake_run(cfg, run_dir, steps=6):
+    """A run directory as the trainer leaves it: config, metrics via the Monitor, summary."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    mon = Monitor(cfg, run_dir, print_fn=lambda _: None)
+    for s in range(1, steps + 1):
+        rec = record(s, reward_mean=0.1 * s, **{"reward/format": 0.5, "sandbox_s": 0.3})
+        if s == 4:
+            rec["kl"] = 5.0
+        evil = make_scored(1.0, (Flag("stdout_spoof", "printed <b>All tests passed</b>", action="zero"),),
+                           text="<script>alert('x')</script> & done")
+        mon.log_step(rec, [evil] + make_batch([0.0, 0.5, 0.5]))
+    mon.close()
+    (run_dir / "summary.json").write_text(json.dumps({
+        "task": "calculator", "model": "m", "eval_before": {"success": 0.4, "n": 10},
+        "eval_after": {"success": 0.6, "n": 10}, "seconds_per_step": 4.0}))
+    return run_dir
+
+
+def test_full_report(cfg, tmp_path):
+    run = fake_run(cfg, tmp_path / "run")
+    page = build_report(run)
+    assert page == run / "report" / "index.html"
+    for name in PLOTS:
+        png = run / "report" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    text = page.read_text()
+    for section in ("summary", "plots", "alarms", "samples", "config"):
+        assert f"id='{section}'" in text
+    imgs = re.findall(r"<img [^>]*src='([^']*)'", text)
+    assert len(imgs) == len(PLOTS) and all(s.startswith("data:image/png;base64,") for s in imgs)
+    assert not re.search(r"(src|href)=['\"]?(https?:|//|file:)", text)  # self-contained
+    assert "<script" not in text.lower().replace("&lt;script", "")       # sample text is escaped
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; done" in text
+    assert "printed &lt;b&gt;All tests passed&lt;/b&gt;" in text
+    assert "40.0% (n=10)" in text and "+20.0 points" in text
+    assert "kl_blowup" in text and "KL 5 &gt; 0.5" in text
+    assert "monitor:" in text and "sample_every: 2" in text  # the config
+
+
+def test_one_step_run_with_missing_keys_and_no_samples(cfg, tmp_path):
+    run = tmp_path / "tiny"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "loss": 0.1}) + "\n{cut off")
+    page = build_report(run)
+    text = page.read_text()
+    assert (run / "report" / "reward.png").exists() and not (run / "report" / "kl.png").exists()
+    assert "not recorded in this run: success, kl, entropy, length, flags, grad_norm, time" in text
+    assert "no samples" in text and "no alarm fired" in text and "no config.yaml" in text
+    assert "unreadable JSONL lines skipped" in text
+    assert load_run(run).skipped_lines == 1
+
+
+def test_empty_run_directory(tmp_path):
+    text = build_report(tmp_path).read_text()
+    assert "metrics.jsonl is empty or missing" in text and "<img" not in text
+
+
+def test_cli_report(cfg, tmp_path):
+    run = fake_run(cfg, tmp_path / "run", steps=2)
+    res = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "out" / "index.html").exists() and "index.html" in res.output
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "not a directory" in res.output
