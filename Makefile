@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml Makefile
 	@command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 		(apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) ; } || \
 		echo "warning: bubblewrap not installed; the sandbox will fall back to rlimits only (see actloop sandbox doctor)"
+	@# headless Chromium renders `actloop report` pages in tests/monitor/test_report_browser.py (skipped without it)
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		(apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) ; } || \
+		echo "warning: chromium not installed; the report's browser test will be skipped"
 	@# dequantize the embedded model once into the cache (about 25 s)
 	$(BIN)/python -c "from actloop.models import resolve_model; print('model:', resolve_model('smollm2-135m-instruct'))"
 	@touch $(STAMP)
