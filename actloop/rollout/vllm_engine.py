@@ -99,15 +99,14 @@ def _logprob_of(position: Any, token: int) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_WRAPPERS = frozenset({"_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def vllm_weight_name(name: str) -> str:
     """A trainer-side parameter name -> the Hugging Face checkpoint name vLLM's `load_weights`
-    expects: wrapper prefixes (torch.compile, DDP/FSDP, activation checkpointing) dropped."""
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
+    expects: the path components wrappers add (torch.compile, DDP/FSDP, activation
+    checkpointing) dropped."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
 def full_weights(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
@@ -169,11 +168,11 @@ class VLLMEngine:
         self.llm = llm
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._weights_lost:
+            raise RuntimeError("vLLM slept at level 2 (weights freed): call sync_weights before generating")
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._weights_lost:
-            raise RuntimeError("vLLM slept at level 2 (weights freed): call sync_weights before generating")
         self.wake()
         sp = VSamplingParams(**vllm_sampling_kwargs(params, self.eos_token_ids, self.stop_strings))
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,

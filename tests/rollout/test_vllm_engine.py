@@ -1,0 +1,347 @@
+"""vLLM engines. Without CUDA + vllm only the pure pieces run here: sampling-parameter
+translation, log-prob extraction from vLLM's output objects, weight names, the colocated
+sleep/sync sequence against a recording stand-in for `vllm.LLM`, and the server protocol against
+a local fake HTTP server that speaks vLLM's routes. The real-vLLM test skips with its reason."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actloop.config import ConfigError, load_config
+from actloop.rollout.engine import SamplingParams
+from actloop.rollout.factory import make_engine
+from actloop.rollout.vllm_engine import (
+    VLLMEngine,
+    VLLMServerEngine,
+    completion_from_vllm,
+    completions_request,
+    finish_reason,
+    full_weights,
+    parse_completions,
+    save_adapter,
+    vllm_sampling_kwargs,
+    vllm_weight_name,
+    weight_update_info,
+)
+
+
+def _has_vllm_gpu() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def test_sampling_params_translation():
+    kw = vllm_sampling_kwargs(SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9), (2, 7), ["</tool_call>"])
+    assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "stop_token_ids": [2, 7],
+                  "stop": ["</tool_call>"], "include_stop_str_in_output": True, "skip_special_tokens": False,
+                  "logprobs": 0, "seed": None}
+    greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=True), (2,), ())
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["max_tokens"] == 5
+
+
+def test_finish_reasons():
+    assert finish_reason("length", None) == "length"
+    assert finish_reason("stop", None) == "stop"  # EOS
+    assert finish_reason("stop", 2) == "stop"  # a stop token id
+    assert finish_reason("stop", "</tool_call>") == "stop_string"
+    assert finish_reason("abort", None) == "length"
+
+
+def _out(ids, lps, reason="stop", stop=None, extra_top=True):
+    positions = []
+    for t, lp in zip(ids, lps):
+        d = {t: SimpleNamespace(logprob=lp, rank=2, decoded_token="x")}
+        if extra_top:
+            d[t + 1000] = SimpleNamespace(logprob=-0.01, rank=1, decoded_token="y")  # the top-1 alternative
+        positions.append(d)
+    return SimpleNamespace(token_ids=ids, logprobs=positions, finish_reason=reason, stop_reason=stop)
+
+
+def test_completion_from_vllm_takes_the_sampled_tokens_logprob():
+    c = completion_from_vllm(_out([5, 9, 2], [-1.5, -0.25, -3.0]))
+    assert c.token_ids == (5, 9, 2) and c.logprobs == (-1.5, -0.25, -3.0) and c.finish_reason == "stop"
+    c = completion_from_vllm(_out([5, 9], [-1.0, -2.0], stop="</tool_call>"))
+    assert c.finish_reason == "stop_string"
+    assert completion_from_vllm(_out([5, 9], [-1.0, -2.0]), greedy=True).logprobs == (0.0, 0.0)
+    # plain floats (a flat log-prob container) work too
+    flat = SimpleNamespace(token_ids=[4], logprobs=[{4: -0.5}], finish_reason="length", stop_reason=None)
+    assert completion_from_vllm(flat).logprobs == (-0.5,) and completion_from_vllm(flat).finish_reason == "length"
+    with pytest.raises(ValueError, match="3 tokens"):
+        completion_from_vllm(SimpleNamespace(token_ids=[1, 2, 3], logprobs=[{1: -1.0}], finish_reason="stop"))
+    with pytest.raises(ValueError, match="sampled token 7"):
+        completion_from_vllm(SimpleNamespace(token_ids=[7], logprobs=[{8: -1.0}], finish_reason="stop"))
+    with pytest.raises(ValueError, match="logprobs=0"):
+        completion_from_vllm(SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="stop"))
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 3)
+
+
+def test_weight_names_and_casting():
+    assert vllm_weight_name("_orig_mod.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert vllm_weight_name("module.lm_head.weight") == "lm_head.weight"
+    assert vllm_weight_name("model._fsdp_wrapped_module.embed_tokens.weight") == "model.embed_tokens.weight"
+    m = torch.nn.Sequential()
+    m.add_module("_orig_mod", _Tiny())
+    ws = list(full_weights(m, torch.bfloat16))
+    assert [n for n, _ in ws] == ["lin.weight", "lin.bias"] and all(t.dtype == torch.bfloat16 for _, t in ws)
+    info = weight_update_info(ws)
+    assert info == {"names": ["lin.weight", "lin.bias"], "dtype_names": ["bfloat16", "bfloat16"], "shapes": [[3, 2], [3]],
+                    "packed": False}
+    peft_like = _Tiny()
+    peft_like.peft_config = {}
+    with pytest.raises(ValueError, match="adapter"):
+        list(full_weights(peft_like))
+
+
+class _Adapter:
+    def save_pretrained(self, out):
+        out.mkdir(parents=True)
+        (out / "adapter_config.json").write_text("{}")
+
+
+def test_save_adapter_keeps_the_newest(tmp_path):
+    for v in range(1, 5):
+        path = save_adapter(_Adapter(), tmp_path, v)
+    assert path == tmp_path / "v4" and sorted(p.name for p in tmp_path.iterdir()) == ["v3", "v4"]
+
+
+# --- colocated: the sleep / wake / load sequence against a recording stand-in for vllm.LLM ---
+
+class _FakeLLM:
+    def __init__(self):
+        self.calls = []
+        model = SimpleNamespace(load_weights=lambda weights: self.calls.append(("load", [n for n, _ in weights])))
+        worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake", tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset",))
+
+
+def test_colocated_sleeps_for_the_update_and_loads_weights_before_the_kv_cache():
+    llm = _FakeLLM()
+    eng = VLLMEngine("unused", (2,), llm=llm)
+    assert eng.weights == "copy"
+    eng.sleep()
+    eng.sleep()  # idempotent
+    with pytest.raises(RuntimeError, match="sync_weights"):
+        eng.generate([[1, 2]], SamplingParams())  # level 2 freed the weights
+    eng.sync_weights(_Tiny())
+    assert llm.calls == [("sleep", 2), ("wake", ["weights"]), ("load", ["lin.weight", "lin.bias"]),
+                         ("wake", ["kv_cache"]), ("reset",)]
+    assert not eng._asleep and not eng._weights_lost and eng.version == 1
+
+
+def test_colocated_lora_sleeps_at_level_1_and_sends_a_new_adapter(tmp_path):
+    pytest.importorskip("vllm", reason="LoRARequest comes from vllm")
+    llm = _FakeLLM()
+    eng = VLLMEngine("unused", (2,), llm=llm, lora_rank=8, adapter_dir=tmp_path)
+    eng.sleep()
+    eng.sync_weights(_Adapter())
+    assert llm.calls == [("sleep", 1)] and eng._lora_request.lora_int_id == 1
+
+
+# --- server: a fake HTTP server speaking vLLM's routes --------------------------------------
+
+class _FakeServer:
+    """Records every request; /v1/completions answers each prompt with its ids reversed, each
+    token's log-prob -0.1 * (position + 1), choices in reverse order (the client must sort)."""
+
+    def __init__(self, missing=("/start_weight_update",)):
+        self.requests, self.missing = [], set(missing)
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.requests.append(("GET", self.path, None))
+                self._reply(200, {"data": [{"id": "served-model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.requests.append(("POST", self.path, body))
+                if self.path in fake.missing:
+                    return self._reply(404, {"detail": "Not Found"})
+                if self.path == "/v1/completions":
+                    return self._reply(200, fake.completions(body))
+                self._reply(200, {})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    @staticmethod
+    def completions(body):
+        choices = []
+        for i, p in enumerate(body["prompt"]):
+            ids = list(reversed(p))[: body["max_tokens"]]
+            choices.append({"index": i, "text": "", "finish_reason": "length" if i else "stop",
+                            "stop_reason": "</tool_call>" if i == 0 else None,
+                            "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                         "token_logprobs": [-0.1 * (k + 1) for k in range(len(ids))]}})
+        return {"choices": list(reversed(choices))}
+
+    def posts(self, path):
+        return [b for m, p, b in self.requests if m == "POST" and p == path]
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture
+def server():
+    s = _FakeServer()
+    yield s
+    s.close()
+
+
+def test_server_generate_sends_token_ids_and_parses_tokens_back(server):
+    eng = VLLMServerEngine(server.url, (2,), ["</tool_call>"], sync="none")
+    assert eng.base_model == "served-model"  # from GET /v1/models
+    comps = eng.generate([[1, 2, 3], [7, 8]], SamplingParams(max_new_tokens=2, temperature=0.9))
+    body = server.posts("/v1/completions")[0]
+    assert body["prompt"] == [[1, 2, 3], [7, 8]] and body["model"] == "served-model"
+    assert body["logprobs"] == 1 and body["return_tokens_as_token_ids"] and body["max_tokens"] == 2
+    assert body["temperature"] == 0.9 and body["stop_token_ids"] == [2] and body["stop"] == ["</tool_call>"]
+    assert "seed" not in body
+    assert comps[0].token_ids == (3, 2) and comps[0].logprobs == pytest.approx((-0.1, -0.2))
+    assert comps[0].finish_reason == "stop_string"
+    assert comps[1].token_ids == (8, 7) and comps[1].finish_reason == "length"
+    assert eng.generated_tokens == 4
+
+
+def test_parse_completions_prefers_token_ids_and_checks_counts():
+    resp = {"choices": [{"index": 0, "token_ids": [4, 5], "finish_reason": "stop",
+                         "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0]}}]}
+    assert parse_completions(resp, 1)[0].token_ids == (4, 5)
+    with pytest.raises(ValueError, match="choices"):
+        parse_completions(resp, 2)
+    bad = {"choices": [{"index": 0, "finish_reason": "stop", "logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}}]}
+    with pytest.raises(ValueError, match="return_tokens_as_token_ids"):
+        parse_completions(bad, 1)
+    short = {"choices": [{"index": 0, "token_ids": [4, 5], "finish_reason": "stop", "logprobs": {"token_logprobs": [-1.0]}}]}
+    with pytest.raises(ValueError, match="1 log-probs for 2 tokens"):
+        parse_completions(short, 1)
+    req = completions_request("m", [[1]], SamplingParams(greedy=True, max_new_tokens=3), (2,), (), seed=5)
+    assert req["temperature"] == 0.0 and req["seed"] == 5
+
+
+def test_server_lora_sync_loads_new_and_unloads_old(server, tmp_path):
+    eng = VLLMServerEngine(server.url, (2,), sync="lora", adapter_dir=tmp_path)
+    eng.sync_weights(_Adapter())
+    eng.sync_weights(_Adapter())
+    loads = server.posts("/v1/load_lora_adapter")
+    assert [b["lora_name"] for b in loads] == ["actloop-v1", "actloop-v2"]
+    assert loads[1]["lora_path"] == str((tmp_path / "v2").resolve())
+    assert server.posts("/v1/unload_lora_adapter") == [{"lora_name": "actloop-v1"}]
+    eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    assert server.posts("/v1/completions")[-1]["model"] == "actloop-v2"
+
+
+def test_server_nccl_sync_posts_metadata_while_broadcasting_in_order(server):
+    sent, groups = [], []
+
+    def broadcaster(addr, port, world):
+        groups.append((addr, port, world))
+        return lambda t: sent.append(t.clone())
+
+    eng = VLLMServerEngine(server.url, (2,), sync="nccl", world_size=2, master_port=6000, broadcaster=broadcaster)
+    model = _Tiny()
+    eng.sync_weights(model)
+    eng.sync_weights(model)
+    assert groups == [("127.0.0.1", 6000, 3)]  # one group, joined once
+    assert server.posts("/init_weight_transfer_engine") == [
+        {"init_info": {"master_address": "127.0.0.1", "master_port": 6000, "rank_offset": 1, "world_size": 3}}]
+    ups = server.posts("/update_weights")
+    assert len(ups) == 2 and ups[0]["update_info"]["names"] == ["lin.weight", "lin.bias"]
+    assert ups[0]["update_info"]["shapes"] == [[3, 2], [3]]
+    assert len(sent) == 4 and torch.equal(sent[0], model.lin.weight.detach().to(torch.bfloat16))
+    assert len(server.posts("/finish_weight_update")) == 2  # /start_weight_update is 404 here: skipped
+
+
+def test_server_error_status_is_raised_with_its_body(server):
+    server.missing.add("/v1/completions")
+    eng = VLLMServerEngine(server.url, (2,), sync="none", model="x")
+    with pytest.raises(RuntimeError, match="404"):
+        eng.generate([[1]], SamplingParams())
+
+
+def test_factory_refuses_what_cannot_run(tmp_path):
+    models = SimpleNamespace(lora=False, policy=None, tokenizer=None)
+    renderer = SimpleNamespace(eos_token_ids=(2,), stop_strings=())
+    if not _has_vllm_gpu():
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            with pytest.raises(ConfigError, match="actloop\\[vllm\\]"):
+                make_engine(load_config(None, ["rollout.engine=vllm"]), models, renderer)
+    with pytest.raises(ConfigError, match="lora.enabled"):
+        make_engine(load_config(None, ["rollout.engine=vllm-server", "rollout.vllm_server_sync=lora"]), models, renderer)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vllm (pip install 'actloop[vllm]' on a GPU machine)")
+def test_real_vllm_logprobs_match_trainer_and_follow_sync(model_dir, tokenizer):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from actloop.rollout.renderer import Renderer
+    from actloop.train.logprobs import token_logprobs
+
+    r = Renderer(tokenizer)
+    eng = VLLMEngine(model_dir, r.eos_token_ids, r.stop_strings, gpu_memory_utilization=0.2, max_model_len=1024)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    prompt = r.prompt_ids(_messages())
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+
+    def max_mean_diff(model):
+        comps = eng.generate([prompt] * 4, params)
+        seqs = [prompt + list(c.token_ids) for c in comps]
+        masks = [[0] * len(prompt) + [1] * len(c.token_ids) for c in comps]
+        with torch.no_grad():
+            out = token_logprobs(model, seqs, masks, temperature=1.0, precision="bf16")
+        d = torch.cat([(torch.tensor(c.logprobs, device=out.logp.device) - out.logp[i][out.mask[i]]).abs()
+                       for i, c in enumerate(comps)])
+        return float(d.mean())
+
+    assert max_mean_diff(policy) < 0.1  # bf16 engine vs bf16 trainer: rounding only
+    changed = copy.deepcopy(policy)
+    with torch.no_grad():
+        changed.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    eng.sleep()
+    eng.sync_weights(changed)
+    assert max_mean_diff(changed) < 0.1
+
+
+def _messages():
+    from actloop.types import Message
+
+    return [Message("user", "What is 23 * 17? Use the calculator.")]
