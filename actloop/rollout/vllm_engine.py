@@ -215,10 +215,24 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def _vllm_model(self) -> Any:
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # v1 wraps the GPU worker
-        return worker.model_runner.model
+        """The in-process model vLLM runs (its place moved between versions)."""
+        for path in _MODEL_PATHS:
+            obj = self.llm
+            try:
+                for attr in path.split("."):
+                    obj = getattr(obj, attr)
+                return obj
+            except AttributeError:
+                continue
+        raise RuntimeError("cannot reach vLLM's model in this process: colocated sync needs "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 and a single-GPU engine (tensor_parallel_size=1)")
+
+
+_MODEL_PATHS = (
+    "llm_engine.model_executor.driver_worker.worker.model_runner.model",  # v1, in-process core
+    "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
+    "llm_engine.model_executor.driver_worker.model_runner.model",  # v0
+)
 
 
 # --- server --------------------------------------------------------------------------------
