@@ -125,18 +125,16 @@ def _plot_success(ax, d: RunData) -> bool:
     return drawn
 
 
-def _plot_kl(ax, d: RunData) -> bool:
-    drawn = _line(ax, d.metrics, "kl", "KL to reference (per token)")
-    _alarm_lines(ax, d.alarms, ("kl_blowup",))
-    ax.set_ylabel("KL")
-    return drawn
+def _single(key: str, label: str, alarm: str, ylabel: str) -> Callable[[Any, RunData], bool]:
+    """A plot of one metric, with the steps where `alarm` fired marked."""
 
+    def plot(ax, d: RunData) -> bool:
+        drawn = _line(ax, d.metrics, key, label)
+        _alarm_lines(ax, d.alarms, (alarm,))
+        ax.set_ylabel(ylabel)
+        return drawn
 
-def _plot_entropy(ax, d: RunData) -> bool:
-    drawn = _line(ax, d.metrics, "entropy", "policy entropy (nats/token)")
-    _alarm_lines(ax, d.alarms, ("entropy_collapse",))
-    ax.set_ylabel("entropy")
-    return drawn
+    return plot
 
 
 def _plot_length(ax, d: RunData) -> bool:
@@ -166,13 +164,6 @@ def _plot_flags(ax, d: RunData) -> bool:
     return drawn
 
 
-def _plot_grad(ax, d: RunData) -> bool:
-    drawn = _line(ax, d.metrics, "grad_norm", "grad norm (before clipping)")
-    _alarm_lines(ax, d.alarms, ("grad_norm_spike",))
-    ax.set_ylabel("grad norm")
-    return drawn
-
-
 def _plot_time(ax, d: RunData) -> bool:
     """Stacked seconds per step: rollout, scoring, update and the rest; sandbox time (spent inside
     rollout and scoring, possibly in parallel) as a line over the bars."""
@@ -198,11 +189,11 @@ def _plot_time(ax, d: RunData) -> bool:
 PLOTS: dict[str, tuple[str, Callable[[Any, RunData], bool]]] = {
     "reward": ("Reward and its components", _plot_reward),
     "success": ("Success: training samples and held-out", _plot_success),
-    "kl": ("KL to the reference", _plot_kl),
-    "entropy": ("Entropy", _plot_entropy),
+    "kl": ("KL to the reference", _single("kl", "KL to reference (per token)", "kl_blowup", "KL")),
+    "entropy": ("Entropy", _single("entropy", "policy entropy (nats/token)", "entropy_collapse", "entropy")),
     "length": ("Response length", _plot_length),
     "flags": ("Flags, malformed calls, zero-variance groups", _plot_flags),
-    "grad_norm": ("Gradient norm", _plot_grad),
+    "grad_norm": ("Gradient norm", _single("grad_norm", "grad norm (before clipping)", "grad_norm_spike", "grad norm")),
     "time": ("Time split per step", _plot_time),
 }
 
