@@ -68,18 +68,25 @@ def train(
     args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...]; no arguments runs the demo."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
 ) -> None:
-    """Train with GRPO. With no arguments: the calculator-tool demo on the embedded model."""
+    """Train with GRPO. With no arguments: the calculator-tool demo on the embedded model.
+    `resume=RUN_DIR [key=value ...]` continues a run from its newest checkpoint."""
+    from actloop.train.checkpoint import resume_config
+    from actloop.train.failures import RunAborted
     from actloop.train.trainer import train as run_train
 
     path, overrides = _split_args(list(args or []))
+    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     try:
-        cfg = load_config(path, overrides)
+        cfg = resume_config(resume, overrides) if resume and path is None else load_config(path, overrides)
     except ConfigError as e:
         _fail(str(e))
     try:
         result = run_train(cfg, progress=not no_progress, print_fn=console.print)
     except USER_ERRORS as e:
         _fail(str(e))
+    except RunAborted as e:
+        console.print(f"[bold red]run stopped:[/] {e}")
+        raise typer.Exit(3)
     s = result.summary
     if "eval_before" in s and "eval_after" in s:
         b, a = s["eval_before"]["success"], s["eval_after"]["success"]

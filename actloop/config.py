@@ -279,6 +279,34 @@ class MonitorConfig:
     )
 
 
+@dataclass
+class CheckpointConfig:
+    every: int = opt(10, "Write a checkpoint every N steps (0 = only at the end and on an interrupt).")
+    keep: int = opt(1, "Checkpoints kept in RUN_DIR/checkpoints (the newest); older ones are deleted.")
+    at_end: bool = opt(True, "Checkpoint after the last step, so `resume=RUN_DIR train.steps=N` can extend the run.")
+    on_interrupt: bool = opt(
+        True, "First Ctrl-C/SIGTERM: finish the step, checkpoint, exit cleanly; a second one aborts at once."
+    )
+
+
+FAILURE_KINDS = ("env", "sandbox", "judge", "reward", "parse")
+
+
+@dataclass
+class FailuresConfig:
+    max_rate: float = opt(
+        0.5, "A step is bad when more than this fraction of its trajectories failed (kinds in failures.count)."
+    )
+    max_bad_steps: int = opt(
+        3, "Consecutive bad steps that stop the run, after a checkpoint (0 = never stop for failures)."
+    )
+    count: list[str] = opt(
+        ["env", "sandbox", "judge", "reward"],
+        "Failure kinds that count towards failures.max_rate: env, sandbox, judge, reward (masked) and parse "
+        "(no answer: scored 0, trained on). See docs/runs.md.",
+    )
+
+
 # The defaults are the demo recipe (`actloop train` with no arguments): GRPO on the calculator
 # task with the embedded model, sized for a 2-core CPU (about 25 s a step there).
 
@@ -309,6 +337,13 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig, metadata={"doc": "DPO."})
     sft: SFTConfig = field(default_factory=SFTConfig, metadata={"doc": "Supervised fine-tuning."})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA adapters."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+    failures: FailuresConfig = field(default_factory=FailuresConfig, metadata={"doc": "Failure thresholds."})
+    resume: str | None = opt(
+        None,
+        "Run directory to continue from its newest checkpoint: `actloop train resume=RUN_DIR [key=value ...]` reads "
+        "RUN_DIR/config.yaml, then the overrides (e.g. train.steps=40 to extend).",
+    )
     monitor: MonitorConfig = field(default_factory=MonitorConfig, metadata={"doc": "Metric sinks, samples, alarms."})
 
     def to_dict(self) -> dict[str, Any]:
@@ -526,6 +561,12 @@ def validate(cfg: Config) -> None:
             not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.funcs),
             "reward.weights must have one weight per reward.funcs entry",
         ),
+        (cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
+        (cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+        (0.0 <= cfg.failures.max_rate <= 1.0, "failures.max_rate must be in [0, 1]"),
+        (cfg.failures.max_bad_steps >= 0, "failures.max_bad_steps must be >= 0"),
+        (set(cfg.failures.count) <= set(FAILURE_KINDS),
+         f"failures.count entries must be among {', '.join(FAILURE_KINDS)}; got {cfg.failures.count}"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -368,6 +368,19 @@ class Judge:
             return list(pool.map(self.judge, prompts, completions, rows))
 
 
+def judge_usage(funcs: Sequence[Any]) -> dict[str, float]:
+    """Summed accounting of every `Judge` among `funcs` (the judges of a `JudgePanel` included):
+    requests, failed completions, prompt and completion tokens, cost. A trainer logs the
+    difference of two readings as the step's `judge/...` metrics."""
+    judges = [j for f in funcs for j in (f.judges if isinstance(f, JudgePanel) else [f]) if isinstance(j, Judge)]
+    out = {"requests": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+    for j in judges:
+        d = j.stats.to_dict()
+        for k in out:
+            out[k] += d[k]
+    return out
+
+
 def _rows(columns: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
     return [{k: v[i] for k, v in columns.items() if isinstance(v, (list, tuple)) and len(v) == n} for i in range(n)]
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import clock
 from .base import ExecResult, Limits, SandboxError
 
 _READ_CHUNK = 1 << 16
@@ -229,6 +230,7 @@ SIGXCPU_EXIT = 128 + 24
 def to_result(c: Collected, tier: str, *, oom_exit_137: bool = False) -> ExecResult:
     """Turn collected output into an `ExecResult`, flagging CPU-limit kills and OOM."""
     timed_out = c.timed_out or c.exit_code == SIGXCPU_EXIT
+    clock.record(c.duration_s, timed_out)  # per-step sandbox time for the trainer's metrics
     oom = bool(_OOM_RE.search(c.stderr.raw_tail(4096)))
     if oom_exit_137 and c.exit_code == 137 and not c.timed_out:
         oom = True

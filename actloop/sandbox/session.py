@@ -28,6 +28,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import clock
 from ._proc import SandboxProcess
 from .base import Limits, Sandbox, SandboxError
 
@@ -199,6 +200,11 @@ class PythonSession:
     # -- the tool -------------------------------------------------------------------------
     def execute(self, code: str, *, timeout_s: float | None = None) -> ToolOutput:
         """Run one cell; never raises for anything the code does."""
+        out = self._execute(code, timeout_s=timeout_s)
+        clock.record(out.duration_s, out.timed_out)  # per-step sandbox time for the trainer's metrics
+        return out
+
+    def _execute(self, code: str, *, timeout_s: float | None = None) -> ToolOutput:
         timeout = timeout_s if timeout_s is not None else self.limits.timeout_s
         with self._lock:
             t0 = time.monotonic()

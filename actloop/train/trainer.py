@@ -5,6 +5,7 @@ advantages, update, log, checkpoint. Maths lives in `actloop.algos`; this file o
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from actloop.algos import KL_CONTROLLERS
 from actloop.algos.batching import dynamic_sampling_filter
 from actloop.algos.shaping import overlong_penalty
-from actloop.config import Config, ConfigError
+from actloop.config import Config, ConfigError, load_config
 from actloop.data.mix import per_source_metrics
 from actloop.data.tasks import Task, build_task
 from actloop.models import Models, load_models
@@ -27,7 +28,12 @@ from actloop.rollout.engine import SamplingParams
 from actloop.rollout.factory import make_engine
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
+from actloop.rewards.judge import judge_usage
+from actloop.sandbox import clock as sandbox_clock
+from actloop.train import checkpoint
 from actloop.train.evaluate import evaluate
+from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics
+from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
 from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
@@ -65,12 +71,21 @@ class PromptSampler:
             self.pos += 1
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "pos": self.pos}
 
-def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSampler, sampling: SamplingParams):
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.rng.setstate(d["rng"])
+        self.order, self.pos = list(d["order"]), int(d["pos"])
+
+
+def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSampler, sampling: SamplingParams,
+                   seen: list[Scored] | None = None):
     """Roll out and score `prompts_per_step` groups. With dynamic sampling, groups whose rewards
     are all equal are dropped and replaced by fresh prompts, for at most `max_refill_rounds`
     extra rounds (whatever is still missing then is trained without).
-    Returns (scored, groups dropped, seconds spent scoring)."""
+    Returns (scored, groups dropped, seconds spent scoring); `seen` receives every scored
+    trajectory, dropped groups included (their failures count too)."""
     G, want = cfg.train.group_size, cfg.train.prompts_per_step
     kept: list[Scored] = []
     dropped, scoring_s = 0, 0.0
@@ -84,6 +99,8 @@ def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSam
         t0 = time.time()
         scored = shape_rewards(cfg, task.rubric.score(trajs))
         scoring_s += time.time() - t0
+        if seen is not None:
+            seen += scored
         if not cfg.train.dynamic_sampling:
             return scored, 0, scoring_s
         rewards = torch.tensor([s.reward for s in scored]).view(-1, G)
@@ -128,6 +145,7 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
         "reward_std": std(rewards),
         "success": mean(s.success for s in scored),
         "zero_variance_groups": mean(len(set(g)) == 1 for g in groups),
+        "prompt_tokens": sum(len(t.prompt_ids) for t in trajs),
         "response_tokens": sum(t.num_response_tokens for t in trajs),
         "tool_tokens": sum(t.num_env_tokens for t in trajs),
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
@@ -157,17 +175,67 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
 OFFLINE_TRAINERS = {"dpo": "actloop.train.dpo:train_dpo", "sft": "actloop.train.sft:train_sft"}
 
 
+def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint | None]:
+    """A new run directory, or with `resume=RUN_DIR` that directory and its newest checkpoint."""
+    if not cfg.resume:
+        return make_run_dir(cfg), None
+    run_dir = Path(cfg.resume)
+    saved = load_config(run_dir / "config.yaml")
+    ckpt = checkpoint.load_latest(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"cannot resume {run_dir}: no checkpoint in {run_dir / checkpoint.CHECKPOINTS} (one is "
+                          "written every checkpoint.every steps, after the last step, and on Ctrl-C)")
+    fixed, allowed = checkpoint.config_changes(saved, cfg)
+    if fixed:
+        raise ConfigError(f"cannot resume {run_dir} with a changed " + "; ".join(fixed)
+                          + " (these decide what the checkpoint holds or which data comes next)")
+    for line in allowed:
+        print_fn(f"resume: {line}")
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return run_dir, ckpt
+
+
+def _usage(task: Task) -> dict[str, dict[str, float]]:
+    """Process-wide sandbox totals and the task's judges' totals, read before and after a step."""
+    return {"sandbox": sandbox_clock.totals(), "judge": judge_usage([t.func for t in task.rubric.terms])}
+
+
+def usage_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Per-step keys of the cost monitor: sandbox wall time, runs and timeouts; judge requests,
+    failures, tokens and cost (docs/runs.md)."""
+    sb0, sb1 = before["sandbox"], after["sandbox"]
+    rec: dict[str, Any] = {"sandbox_s": round(sb1["seconds"] - sb0["seconds"], 3),
+                           "sandbox_runs": sb1["runs"] - sb0["runs"], "sandbox_timeouts": sb1["timeouts"] - sb0["timeouts"]}
+    for k, v in after["judge"].items():
+        rec[f"judge/{k}"] = round(v - before["judge"][k], 8) if isinstance(v, float) else v - before["judge"][k]
+    return rec
+
+
+def _test_pause(step: int, run_dir: Path) -> None:
+    """Test-only hook (tests/train/test_resume.py): ACTLOOP_TEST_PAUSE=STEP:SECONDS sleeps inside
+    step STEP, after its rollout and before its update, having touched RUN_DIR/.test-paused, so a
+    test can kill the process in the middle of a step."""
+    spec = os.environ.get("ACTLOOP_TEST_PAUSE")
+    if spec and int(spec.split(":")[0]) == step:
+        (run_dir / ".test-paused").write_text(str(step))
+        time.sleep(float(spec.split(":")[1]))
+
+
 def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    run_dir = make_run_dir(cfg)
+    run_dir, ckpt = open_run(cfg, print_fn)
     print_fn(f"run directory: {run_dir}")
     task: Task = build_task(cfg)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0)
+    if ckpt is not None:
+        ckpt.load_policy(models.policy)  # before the engine copies the weights
     renderer = Renderer(models.tokenizer)
     engine = make_engine(cfg, models, renderer)
+    if ckpt is not None:
+        engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
     critic = Critic(models.policy, cfg.ppo.critic) if cfg.algo == "ppo" else None
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
     if critic is not None:
@@ -182,29 +250,69 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         optimizer, lambda s: min(1.0, (s + 1) / cfg.train.warmup_steps) if cfg.train.warmup_steps else 1.0)
     sampler = PromptSampler(task.train_rows, cfg.seed)
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
-    monitor = Monitor(cfg, run_dir, print_fn)  # metrics.jsonl, samples, alarms, TensorBoard/W&B
     summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps, "data": task.info}
+    # what the summary is computed from, kept across a resume
+    totals: dict[str, Any] = {"step_seconds": [], "gen_tokens": 0, "gen_seconds": 0.0, "failures": {},
+                              "reward_errors": 0, "checkpoint_seconds": 0.0}
+    guard = FailureGuard(cfg.failures)
+    start, state = 1, None
+    if ckpt is not None:
+        state = ckpt.load_state()
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if critic is not None:
+            critic.load_state_dict(state["critic"])
+        sampler.load_state_dict(state["sampler"])
+        guard.load_state_dict(state["failure_guard"])
+        ctx.beta, summary, totals = state["beta"], state["summary"], state["totals"]
+        summary["steps"] = cfg.train.steps
+        start = ckpt.step + 1
+        for name in ("metrics.jsonl", "failures.jsonl", "samples.jsonl", "alarms.jsonl"):  # a killed step may have left a line (or half of one)
+            checkpoint.truncate_jsonl(run_dir / name, ckpt.step)
+        print_fn(f"resuming from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
+    monitor = Monitor(cfg, run_dir, print_fn)  # metrics.jsonl, samples, alarms, TensorBoard/W&B
+    failure_log = FailureLog(run_dir / "failures.jsonl")
+    stateful = {"monitor": monitor}  # components whose state_dict() rides in the checkpoint's `extra`
+    if state is not None:
+        for name, obj in stateful.items():
+            if name in state.get("extra", {}) and hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(state["extra"][name])
+
+    def save_checkpoint(step: int) -> None:
+        t = time.time()
+        checkpoint.save(run_dir, step, models.policy, {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "critic": critic.state_dict() if critic is not None else None, "sampler": sampler.state_dict(),
+            "beta": ctx.beta, "rng": checkpoint.rng_state(), "summary": summary, "totals": totals,
+            "failure_guard": guard.state_dict(),
+            "extra": {n: o.state_dict() for n, o in stateful.items() if hasattr(o, "state_dict")},
+        }, keep=cfg.checkpoint.keep)
+        totals["checkpoint_seconds"] += time.time() - t
 
     def run_eval(label: str) -> None:
         res = evaluate(engine, renderer, task, task.eval_rows, cfg.rollout.max_new_tokens, cfg.rollout.max_turns)
         summary[label] = res
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
 
-    if cfg.train.eval_before and task.eval_rows:
+    if ckpt is None and cfg.train.eval_before and task.eval_rows:
         run_eval("eval_before")
+    if state is not None:  # last: the generators continue exactly where the checkpoint left them
+        checkpoint.set_rng_state(state["rng"])
 
-    step_seconds, gen_tokens, gen_seconds = [], 0, 0.0
     bar = _progress(cfg.train.steps, progress)
-    with bar:
-        task_id = bar.add_task("train", total=cfg.train.steps, reward=0.0, success=0.0)
-        for step in range(1, cfg.train.steps + 1):
+    stop_msg, last = None, start - 1
+    with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar:
+        task_id = bar.add_task("train", total=cfg.train.steps, completed=start - 1, reward=0.0, success=0.0)
+        for step in range(start, cfg.train.steps + 1):
             t0 = time.time()
             # 1. roll out G episodes for each of the step's prompts (refilling all-equal groups)
-            tok0 = engine.generated_tokens
-            scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling)
+            tok0, usage0, errors0, seen = engine.generated_tokens, _usage(task), len(task.rubric.errors), []
+            scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling, seen=seen)
             t2 = time.time()
             t1 = t2 - scoring_s  # rollout time excludes scoring
-            # 2. advantages and the policy update (actloop.train.update), then new weights to the engine
+            _test_pause(step, run_dir)
+            # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
+            #    failed trajectories are masked (a step with nothing valid trains nothing)
             if hasattr(engine, "sleep"):
                 engine.sleep()  # a colocated vLLM frees its GPU memory for the update
             upd = rl_update(ctx, scored, cfg.train.group_size)
@@ -213,12 +321,17 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target)
             ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon, len(scored))
             t3 = time.time()
-            # 4. log
+            # 4. log: metrics, failures (failures.jsonl), then a checkpoint
+            failures = classify(step, seen, task.rubric.errors[errors0:])
+            totals["reward_errors"] += len(task.rubric.errors) - errors0
             new_tokens = engine.generated_tokens - tok0
-            gen_tokens, gen_seconds = gen_tokens + new_tokens, gen_seconds + (t1 - t0)
+            totals["gen_tokens"] += new_tokens
+            totals["gen_seconds"] += t1 - t0
             record = step_metrics(step, scored, cfg.train.group_size)
             record.update(upd)
             record["dropped_groups"] = dropped
+            record.update(failure_metrics(failures, len(seen), cfg.failures))
+            record.update(usage_delta(usage0, _usage(task)))
             record.update(
                 lr=scheduler.get_last_lr()[0],
                 rollout_s=round(t1 - t0, 3),
@@ -228,15 +341,40 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 gen_tokens_per_s=round(new_tokens / max(t1 - t0, 1e-9), 1),
             )
             monitor.log_step(record, scored)
-            step_seconds.append(t3 - t0)
+            failure_log.write(failures)
+            for f in failures:
+                totals["failures"][f.kind] = totals["failures"].get(f.kind, 0) + 1
+            stop_msg = guard.check(step, failures, len(seen), run_dir)
+            totals["step_seconds"].append(t3 - t0)
+            last = step
             bar.update(task_id, advance=1, reward=record["reward_mean"], success=record["success"])
+            every = cfg.checkpoint.every
+            if ((every and step % every == 0) or stop_msg or stop.requested
+                    or (step == cfg.train.steps and cfg.checkpoint.at_end)):
+                save_checkpoint(step)
+            if stop_msg or stop.requested:
+                break
 
     monitor.close()
     summary["monitor"] = monitor.summary()
-    summary["seconds_per_step"] = round(mean(step_seconds), 2)
-    summary["generated_tokens_per_s"] = round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0
-    if task.rubric.errors:
-        summary["reward_errors"] = len(task.rubric.errors)
+    failure_log.close()
+    summary["seconds_per_step"] = round(mean(totals["step_seconds"]), 2)
+    summary["generated_tokens_per_s"] = (round(totals["gen_tokens"] / totals["gen_seconds"], 1)
+                                         if totals["gen_seconds"] else 0.0)
+    summary["failures"] = dict(totals["failures"])
+    summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
+    if totals["reward_errors"]:
+        summary["reward_errors"] = totals["reward_errors"]
+    if stop_msg or stop.requested:
+        summary["stopped"] = {"step": last, "reason": stop_msg or stop.requested}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if stop_msg:
+            raise RunAborted(stop_msg)
+        print_fn(f"stopped after step {last} ({stop.requested}); continue with `actloop train resume={run_dir}`")
+        return RunResult(run_dir, summary)
+    summary.pop("stopped", None)
+    if start > cfg.train.steps:
+        print_fn(f"the run already reached step {cfg.train.steps}; extend it with train.steps=N")
     if cfg.train.eval_after and task.eval_rows:
         run_eval("eval_after")
     if cfg.train.save_final:

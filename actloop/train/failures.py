@@ -1,0 +1,165 @@
+"""Failure isolation: what went wrong in a step, recorded, counted, and judged against thresholds.
+
+Kinds (one count per trajectory and kind):
+
+- ``env``     — the environment raised in reset/step/close (`Trajectory.error`, with traceback);
+- ``sandbox`` — the sandbox could not run the code (`sandbox_error` flag);
+- ``judge``   — an LLM judge gave no usable score (`judge_error` flag: HTTP error, timeout, reply
+  off-format);
+- ``reward``  — a reward function or a hack detector raised (`reward_error` / `detector_error`,
+  traceback from `Rubric.errors`);
+- ``parse``   — the policy gave no final answer: no turn, cut off at max_new_tokens, ended on a
+  tool call (out of turns), an empty reply, or a grader's `no_answer` / `empty_response` flag.
+
+The first four are infrastructure failures: the trajectory is masked from the loss (the rubric
+already marks it `masked`). ``parse`` is the policy's own doing: the grader scores it (0 in
+practice) and it is trained on, so the policy learns to answer; it is counted, not masked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from actloop.config import FAILURE_KINDS, FailuresConfig
+from actloop.types import Scored, Trajectory
+
+# rubric flag -> failure kind (infrastructure: masked)
+FLAG_KINDS = {"rollout_error": "env", "sandbox_error": "sandbox", "judge_error": "judge", "reward_error": "reward",
+              "detector_error": "reward"}
+NO_ANSWER_FLAGS = ("no_answer", "empty_response")
+
+
+class RunAborted(RuntimeError):
+    """Too many failures: the run stopped (after a checkpoint); the message says why and where to look."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    step: int
+    kind: str
+    message: str
+    traceback: str | None
+    index: int  # position of the trajectory in the step's batch
+    row_id: str
+    masked: bool
+
+
+def row_id(row: dict[str, Any]) -> str:
+    """A row's own id where it has one (id, task_id, ...), else a short hash of its content."""
+    for key in ("id", "task_id", "problem_id", "row_id"):
+        if row.get(key) is not None:
+            return str(row[key])
+    text = json.dumps(row, sort_keys=True, default=str)
+    return "sha1:" + hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def no_answer(traj: Trajectory, flags=()) -> str | None:
+    """Why the trajectory holds no final answer, or None when it has one."""
+    named = [f for f in flags if str(f) in NO_ANSWER_FLAGS]
+    if named:
+        return f"{named[0]}: {getattr(named[0], 'evidence', '')}".rstrip(": ")
+    if not traj.turns:
+        return "no assistant turn"
+    last = traj.turns[-1]
+    if last.finish_reason == "length":
+        return f"cut off at max_new_tokens ({len(last.token_ids)} tokens)"
+    if last.message.tool_calls or last.malformed_tool_call:
+        return "ended on a tool call (out of turns)"
+    if not last.message.content.strip():
+        return "empty reply"
+    return None
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else text.strip()
+
+
+def classify(step: int, scored: list[Scored], reward_errors: list[str] = ()) -> list[Failure]:
+    """The failures of one step's scored trajectories. `reward_errors` are the tracebacks the
+    rubric recorded while scoring them (`Rubric.errors` added this step)."""
+    out: list[Failure] = []
+    reward_tb = "\n".join(reward_errors) or None
+    for i, s in enumerate(scored):
+        traj, rid = s.trajectory, row_id(s.trajectory.row)
+        kinds: dict[str, tuple[str, str | None]] = {}
+        if traj.error:
+            kinds["env"] = (_last_line(traj.error), traj.error)
+        for f in s.flags:
+            kind = FLAG_KINDS.get(str(f))
+            if kind is None or kind in kinds:
+                continue
+            evidence = getattr(f, "evidence", "") or str(f)
+            kinds[kind] = (evidence if kind != "reward" or not reward_tb else _last_line(reward_tb),
+                           reward_tb if kind == "reward" else None)
+        for kind, (msg, tb) in kinds.items():
+            out.append(Failure(step, kind, msg, tb, i, rid, s.masked))
+        if not kinds and (why := no_answer(traj, s.flags)):
+            out.append(Failure(step, "parse", why, None, i, rid, s.masked))
+    return out
+
+
+def failure_metrics(failures: list[Failure], n: int, cfg: FailuresConfig) -> dict[str, float]:
+    """`failures/<kind>` for every kind (0 included, so every step has the same keys),
+    `failures/masked` (trajectories left out of the loss by a failure) and `failures/rate`
+    (share of the step's trajectories with a failure of a kind in `failures.count`)."""
+    counts = Counter(f.kind for f in failures)
+    rec: dict[str, float] = {f"failures/{k}": counts.get(k, 0) for k in FAILURE_KINDS}
+    rec["failures/masked"] = len({f.index for f in failures if f.masked})
+    counted = {f.index for f in failures if f.kind in cfg.count}
+    rec["failures/rate"] = len(counted) / n if n else 0.0
+    return rec
+
+
+class FailureLog:
+    """RUN_DIR/failures.jsonl: one line per failure (step, kind, message, traceback, row id)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._f = None
+
+    def write(self, failures: list[Failure]) -> None:
+        if not failures:
+            return
+        if self._f is None:
+            self._f = self.path.open("a")
+        for f in failures:
+            self._f.write(json.dumps(asdict(f)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+@dataclass
+class FailureGuard:
+    """Stops a run after `max_bad_steps` consecutive steps whose failure rate exceeds `max_rate`."""
+
+    cfg: FailuresConfig
+    bad_steps: int = 0  # consecutive, up to the last step seen
+
+    def check(self, step: int, failures: list[Failure], n: int, run_dir: Path) -> str | None:
+        """None, or the message the run stops with."""
+        rate = failure_metrics(failures, n, self.cfg)["failures/rate"]
+        self.bad_steps = self.bad_steps + 1 if rate > self.cfg.max_rate else 0
+        if not self.cfg.max_bad_steps or self.bad_steps < self.cfg.max_bad_steps:
+            return None
+        counts = Counter(f.kind for f in failures if f.kind in self.cfg.count)
+        kinds = ", ".join(f"{k} {v}" for k, v in counts.most_common())
+        return (f"stopping at step {step}: {self.bad_steps} consecutive steps with more than "
+                f"{self.cfg.max_rate:.0%} of trajectories failed (last step: {rate:.0%}; {kinds}). "
+                f"Tracebacks are in {run_dir / 'failures.jsonl'}. Raise failures.max_rate or "
+                f"failures.max_bad_steps, or fix the cause and resume with `actloop train resume={run_dir}`.")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"bad_steps": self.bad_steps}
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        self.bad_steps = int(d["bad_steps"])

@@ -1,0 +1,187 @@
+"""Checkpoints and exact resume.
+
+The slow test runs the same tiny training twice in subprocesses: once straight through, once
+killed with SIGKILL in the middle of step 3 (after its rollout, before its update: the
+documented test hook ACTLOOP_TEST_PAUSE) and resumed with `actloop train resume=RUN_DIR`. Every
+per-step metric that is not a timing or a memory reading must be equal, exactly.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from actloop.config import ConfigError, load_config
+from actloop.train import checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A reward that differs between samples, so every step has non-zero advantages and really updates.
+REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) / 10 for c in completions]\n"
+
+
+def tiny(tmp_path: Path, name: str) -> list[str]:
+    reward = tmp_path / "varied_reward.py"
+    reward.write_text(REWARD)
+    return ["train", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", "data.train_size=20",
+            "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=2", "train.eval_before=false",
+            "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=1",
+            "checkpoint.keep=1", "train.beta=0.04", "kl.controller=adaptive", f"reward.funcs=[{reward}:varied]",
+            f"output_dir={tmp_path}", f"run_name={name}", "--no-progress"]
+
+
+def start(args: list[str], **env: str) -> subprocess.Popen:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "actloop", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+VOLATILE = ("rollout_s", "scoring_s", "update_s", "step_s", "gen_tokens_per_s", "sandbox_s", "peak_mem_mb",
+            "peak_mem_window")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_killed_mid_step_and_resumed_matches_uninterrupted(tmp_path):
+    straight = start(tiny(tmp_path, "straight"))
+    killed_dir = tmp_path / "killed"
+    killed = start(tiny(tmp_path, "killed"), ACTLOOP_TEST_PAUSE="3:120")
+    deadline = time.time() + 600
+    while not (killed_dir / ".test-paused").exists():
+        assert killed.poll() is None, killed.communicate()[0][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGKILL)  # mid-step 3: its rollout done, its update not
+    killed.wait()
+    assert [c.step for c in checkpoint.list_checkpoints(killed_dir)] == [2]  # keep=1
+    assert len(metrics(killed_dir)) == 2
+    # what a crash can leave behind: a half-written line, an unfinished checkpoint directory
+    with (killed_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward_me')
+    junk = killed_dir / "checkpoints" / "step-000003.tmp-999999999"
+    junk.mkdir()
+    (junk / "state.pt").write_bytes(b"half")
+
+    out = finish(start(["train", f"resume={killed_dir}", "--no-progress"]))
+    assert "resuming from" in out and "step 2 of 4" in out
+    finish(straight)
+
+    a, b = metrics(tmp_path / "straight"), metrics(killed_dir)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert all(r["trained_trajectories"] > 0 for r in a)  # real updates, not a run of no-ops
+    for ra, rb in zip(a, b):
+        assert ra == rb, {k: (ra.get(k), rb.get(k)) for k in set(ra) | set(rb) if ra.get(k) != rb.get(k)}
+    assert [c.step for c in checkpoint.list_checkpoints(killed_dir)] == [4]
+    assert not junk.exists()  # the dead writer's leftovers are cleared
+    # the final weights are identical too
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "straight" / "checkpoints" / "step-000004" / "policy.safetensors"))
+    wb = load_file(str(killed_dir / "checkpoints" / "step-000004" / "policy.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# --- the checkpoint module on a tiny model (fast) ----------------------------------------------
+
+
+def _tiny_state(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return {"optimizer": opt.state_dict(), "rng": checkpoint.rng_state()}
+
+
+def test_save_is_atomic_and_keep_is_honoured(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    state = _tiny_state(model)
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, model, state, keep=2)
+    assert [c.step for c in checkpoint.list_checkpoints(tmp_path)] == [2, 3]
+    # a write that died half-way (its own pid is gone) is invisible to load and cleared by the next save
+    half = tmp_path / "checkpoints" / "step-000009.tmp-999999999"
+    half.mkdir()
+    (half / "policy.safetensors").write_bytes(b"")
+    (half / "state.pt").write_bytes(b"")
+    latest = checkpoint.load_latest(tmp_path)
+    assert latest.step == 3
+    fresh = torch.nn.Linear(3, 2)
+    latest.load_policy(fresh)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert latest.load_state()["step"] == 3
+    checkpoint.save(tmp_path, 4, model, state, keep=2)
+    assert not half.exists()
+    assert [c.step for c in checkpoint.list_checkpoints(tmp_path)] == [3, 4]
+    assert checkpoint.load_latest(tmp_path / "nothing") is None
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+
+    s = checkpoint.rng_state()
+    a = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    checkpoint.set_rng_state(s)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == a
+
+
+def test_policy_that_does_not_fit_is_a_clear_error(tmp_path):
+    checkpoint.save(tmp_path, 1, torch.nn.Linear(3, 2), {}, keep=1)
+    with pytest.raises(ConfigError, match="does not fit this model"):
+        checkpoint.load_latest(tmp_path).load_policy(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+
+
+def test_truncate_jsonl_keeps_whole_lines_up_to_the_step(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "x"')
+    assert checkpoint.truncate_jsonl(p, 2) == 2
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    p.write_text('{"step": 1}\n{"step": 2, "x')
+    assert checkpoint.truncate_jsonl(p, 5) == 1 and p.read_text() == '{"step": 1}\n'
+
+
+def test_resume_config_checks(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        checkpoint.resume_config(run)
+    (run / "config.yaml").write_text(load_config(None, ["train.steps=4"]).to_yaml())
+    cfg = checkpoint.resume_config(run, ["train.steps=8"])
+    assert cfg.resume == str(run) and cfg.train.steps == 8
+    fixed, allowed = checkpoint.config_changes(load_config(run / "config.yaml"), cfg)
+    assert fixed == [] and allowed == ["train.steps: 4 -> 8"]
+    other = checkpoint.resume_config(run, ["seed=3", "data.task=gsm8k", "train.lr=1e-5"])
+    fixed, allowed = checkpoint.config_changes(load_config(run / "config.yaml"), other)
+    assert [f.split(":")[0] for f in fixed] == ["seed", "data.task"] and allowed == ["train.lr: 2e-05 -> 1e-05"]
+
+
+def test_resume_without_checkpoint_or_with_changed_data_fails_clearly(tmp_path):
+    from actloop.train.trainer import open_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(None, []).to_yaml())
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        open_run(checkpoint.resume_config(run))
+    checkpoint.save(run, 3, torch.nn.Linear(2, 2), {}, keep=1)
+    with pytest.raises(ConfigError, match="changed seed"):
+        open_run(checkpoint.resume_config(run, ["seed=5"]))
+    run_dir, ckpt = open_run(checkpoint.resume_config(run, ["train.steps=30"]), print_fn=lambda *_: None)
+    assert run_dir == run and ckpt.step == 3
+    assert load_config(run / "config.yaml").train.steps == 30  # the extended config is the run's config now
