@@ -1,0 +1,109 @@
+"""Does N-process training equal one-process training? A self-check on a fixed batch.
+
+    python -m actloop.train.dist_check --out one.pt                                   # 1 process
+    torchrun --nproc_per_node 2 -m actloop.train.dist_check --out two.pt              # 2 processes
+    python -m actloop.train.dist_check --compare one.pt two.pt                        # max differences
+
+The batch is built from the tokenizer, not sampled: `prompts` prompts x `group_size` completions
+of different lengths with fixed rewards (every group has reward variance, group g's sequences are
+all shorter than group g+1's, so the one-process micro-batches hold the same trajectories as the
+ranks' micro-batches when micro_batch_size = group_size * prompts / world). `rl_update` runs
+`steps` times on it; rank 0 writes the full weights and each step's update metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from actloop.config import load_config
+from actloop.models import load_models
+from actloop.train.distributed import init_distributed
+from actloop.train.update import UpdateContext, rl_update
+from actloop.types import Message, Scored, Trajectory, Turn
+
+WORDS = "the cat sat on a warm mat and then it slept for most of the long quiet day".split()
+
+
+def fixed_batch(tokenizer, prompts: int, group_size: int) -> list[Scored]:
+    """prompts x group_size scored trajectories; rewards 0, 1, 0.5, 0.25, ... within each group."""
+    out = []
+    for g in range(prompts):
+        question = "Count: " + " ".join(WORDS[: 2 + 3 * g])  # later groups have longer prompts
+        prompt_ids = tuple(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                         add_generation_prompt=True, tokenize=True, return_dict=False))
+        for k in range(group_size):
+            ids = tuple(tokenizer(" ".join(WORDS[g : g + 2 + k]), add_special_tokens=False)["input_ids"])
+            turn = Turn(Message("assistant", ""), ids, (0.0,) * len(ids), "stop")
+            reward = [0.0, 1.0, 0.5, 0.25, 0.75, 0.1, 0.9, 0.3][k % 8]
+            out.append(Scored(Trajectory((Message("user", question),), prompt_ids, (turn,)), reward=reward,
+                              components={}))
+    return out
+
+
+def run(overrides: list[str], steps: int, prompts: int, group_size: int, optimizer: str) -> dict[str, Any] | None:
+    cfg = load_config(None, ["train.precision=fp32", "train.threads=1", f"train.prompts_per_step={prompts}",
+                             f"train.group_size={group_size}", *overrides])
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
+    dist = init_distributed(cfg)
+    models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
+    scored = fixed_batch(models.tokenizer, prompts, group_size)
+    groups = [scored[i : i + group_size] for i in range(0, len(scored), group_size)]
+    mine = [s for grp in dist.shard(groups) for s in grp]
+    if dist.active and cfg.distributed.fsdp:
+        dist.wrap(models.policy, cfg.distributed.reshard_after_forward, cfg.distributed.mixed_precision)
+    params = [p for p in models.policy.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay) if optimizer == "adamw"
+           else torch.optim.SGD(params, lr=cfg.train.lr))
+    ctx = UpdateContext(cfg, models, opt, None, cfg.train.beta, "none", dist=dist if dist.active else None)
+    metrics = [rl_update(ctx, mine, group_size) for _ in range(steps)]
+    state = {k: v.detach().cpu().clone() for k, v in dist.full_state_dict(models.policy).items()}
+    dist.close()
+    if not dist.is_main:
+        return None
+    return {"world": dist.world, "state": state, "metrics": metrics}
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], init: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Max |difference| of the weights (absolute, and relative to the largest weight change when
+    `init` is given) and max relative difference of each numeric update metric."""
+    w = max(float((a["state"][k] - b["state"][k]).abs().max()) for k in a["state"])
+    out = {"max_abs_weight_diff": w}
+    if init is not None:
+        moved = max(float((a["state"][k] - init[k]).abs().max()) for k in a["state"])
+        out["max_weight_change"] = moved
+    rel = 0.0
+    for ma, mb in zip(a["metrics"], b["metrics"]):
+        for k, va in ma.items():
+            if isinstance(va, (int, float)) and not k.startswith(("mem", "peak")) and k in mb:
+                rel = max(rel, abs(va - mb[k]) / max(abs(va), 1e-8))
+    out["max_rel_metric_diff"] = rel
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write rank 0's weights and metrics here")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print the max differences of two --out files")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = ap.parse_args(argv)
+    if args.compare:
+        a, b = (torch.load(p, weights_only=False) for p in args.compare)
+        print(compare(a, b))
+        return 0
+    res = run(args.overrides, args.steps, args.prompts, args.group_size, args.optimizer)
+    if res is not None and args.out:
+        torch.save(res, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
