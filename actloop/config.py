@@ -307,6 +307,24 @@ class FailuresConfig:
     )
 
 
+@dataclass
+class DistributedConfig:
+    backend: str = opt(
+        "auto",
+        "Process-group backend under torchrun: `auto` (nccl where CUDA is available, else gloo), `gloo` or "
+        "`nccl`. A plain `actloop train` is one process and ignores this section (docs/distributed.md).",
+    )
+    fsdp: bool = opt(
+        True, "Under torchrun, shard the policy with FSDP2 (per decoder layer, then the root); false replicates it."
+    )
+    reshard_after_forward: bool = opt(
+        True, "FSDP2: free each layer's gathered weights after forward (less memory, one more all-gather)."
+    )
+    mixed_precision: str = opt(
+        "auto", "FSDP2 parameters: `auto` (bf16 params, fp32 gradient reduction on CUDA; fp32 on CPU), `bf16`, `none`."
+    )
+
+
 # The defaults are the demo recipe (`actloop train` with no arguments): GRPO on the calculator
 # task with the embedded model, sized for a 2-core CPU (about 25 s a step there).
 
@@ -337,6 +355,8 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig, metadata={"doc": "DPO."})
     sft: SFTConfig = field(default_factory=SFTConfig, metadata={"doc": "Supervised fine-tuning."})
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "LoRA adapters."})
+    distributed: DistributedConfig = field(
+        default_factory=DistributedConfig, metadata={"doc": "Several processes (torchrun): backend, FSDP2."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
     failures: FailuresConfig = field(default_factory=FailuresConfig, metadata={"doc": "Failure thresholds."})
     resume: str | None = opt(
@@ -551,6 +571,8 @@ def validate(cfg: Config) -> None:
         _one_of("dpo.loss", cfg.dpo.loss, REG["dpo_loss"]),
         _one_of("ppo.critic", cfg.ppo.critic, ("head", "separate")),
         _one_of("algo", cfg.algo, ALGOS),
+        _one_of("distributed.backend", cfg.distributed.backend, ("auto", "gloo", "nccl")),
+        _one_of("distributed.mixed_precision", cfg.distributed.mixed_precision, ("auto", "bf16", "none")),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
         (cfg.monitor.sample_every >= 0, "monitor.sample_every must be >= 0"),
         (cfg.monitor.window >= 1, "monitor.window must be >= 1"),

@@ -238,10 +238,10 @@ class Dist:
         same FSDP all-gathers and reduce-scatters as a real micro-batch, zero gradient."""
         from actloop.train.logprobs import token_logprobs
 
-        t = ctx.cfg.train
+        # (gradient checkpointing and head chunking change no collective: left at their defaults)
         with torch.set_grad_enabled(grad):
-            out = token_logprobs(ctx.models.policy, [[0, 0]], [[0, 1]], 1.0, t.precision, share_prefix=False,
-                                 chunk=t.logits_chunk, checkpointing=t.gradient_checkpointing)
+            out = token_logprobs(ctx.models.policy, [[0, 0]], [[0, 1]], 1.0, ctx.cfg.train.precision,
+                                 share_prefix=False)
             if grad:
                 (out.logp.sum() * 0.0).backward()
 

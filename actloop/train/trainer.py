@@ -35,6 +35,7 @@ from actloop.train.evaluate import evaluate
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics
 from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
+from actloop.train.distributed import init_distributed
 from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
 
@@ -226,7 +227,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     torch.manual_seed(cfg.seed)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    run_dir, ckpt = open_run(cfg, print_fn)
+    dist = init_distributed(cfg)  # torchrun: this rank's place; one process: a no-op (docs/distributed.md)
+    print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
+    run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
     print_fn(f"run directory: {run_dir}")
     task: Task = build_task(cfg)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0)
@@ -236,6 +239,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     engine = make_engine(cfg, models, renderer)
     if ckpt is not None:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
+    models.policy = dist.prepare(cfg, models, engine)  # FSDP2 under torchrun, after the engine's copy
     critic = Critic(models.policy, cfg.ppo.critic) if cfg.algo == "ppo" else None
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
     if critic is not None:
@@ -245,10 +249,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     correction = cfg.correction.mode
     if correction == "auto":
         correction = "tis_token" if engine.weights == "copy" else "none"
-    ctx = UpdateContext(cfg, models, optimizer, critic, cfg.train.beta, correction)
+    ctx = UpdateContext(cfg, models, optimizer, critic, cfg.train.beta, correction, dist=dist if dist.active else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg.train.warmup_steps) if cfg.train.warmup_steps else 1.0)
-    sampler = PromptSampler(task.train_rows, cfg.seed)
+    sampler = dist.sampler(PromptSampler(task.train_rows, cfg.seed))  # each rank: its block of whole groups
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
     summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps, "data": task.info}
     # what the summary is computed from, kept across a resume
@@ -270,7 +274,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         for name in ("metrics.jsonl", "failures.jsonl", "samples.jsonl", "alarms.jsonl"):  # a killed step may have left a line (or half of one)
             checkpoint.truncate_jsonl(run_dir / name, ckpt.step)
         print_fn(f"resuming from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
-    monitor = Monitor(cfg, run_dir, print_fn)  # metrics.jsonl, samples, alarms, TensorBoard/W&B
+    monitor = Monitor(dist.main_only(cfg), run_dir, print_fn)  # metrics.jsonl, samples, alarms, TensorBoard/W&B
     failure_log = FailureLog(run_dir / "failures.jsonl")
     stateful = {"monitor": monitor}  # components whose state_dict() rides in the checkpoint's `extra`
     if state is not None:
@@ -279,6 +283,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 obj.load_state_dict(state["extra"][name])
 
     def save_checkpoint(step: int) -> None:
+        if dist.active:  # sharded weights and optimizer state: not written yet (docs/distributed.md)
+            return
         t = time.time()
         checkpoint.save(run_dir, step, models.policy, {
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -290,6 +296,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         totals["checkpoint_seconds"] += time.time() - t
 
     def run_eval(label: str) -> None:
+        if not dist.is_main:  # rank 0 evaluates; the others wait for it at the next collective
+            return
         res = evaluate(engine, renderer, task, task.eval_rows, cfg.rollout.max_new_tokens, cfg.rollout.max_turns)
         summary[label] = res
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
@@ -317,9 +325,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 engine.sleep()  # a colocated vLLM frees its GPU memory for the update
             upd = rl_update(ctx, scored, cfg.train.group_size)
             scheduler.step()
-            engine.sync_weights(models.policy)
+            dist.sync_engine(engine, models.policy)  # FSDP: the gathered full weights
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target)
-            ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon, len(scored))
+            ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon,
+                                                    len(scored) * dist.world)
             t3 = time.time()
             # 4. log: metrics, failures (failures.jsonl), then a checkpoint
             failures = classify(step, seen, task.rubric.errors[errors0:])
@@ -327,7 +336,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             new_tokens = engine.generated_tokens - tok0
             totals["gen_tokens"] += new_tokens
             totals["gen_seconds"] += t1 - t0
-            record = step_metrics(step, scored, cfg.train.group_size)
+            record = step_metrics(step, dist.gather_lists(scored), cfg.train.group_size)  # all ranks' groups
             record.update(upd)
             record["dropped_groups"] = dropped
             record.update(failure_metrics(failures, len(seen), cfg.failures))
@@ -344,7 +353,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             failure_log.write(failures)
             for f in failures:
                 totals["failures"][f.kind] = totals["failures"].get(f.kind, 0) + 1
-            stop_msg = guard.check(step, failures, len(seen), run_dir)
+            stop_msg = dist.first(guard.check(step, failures, len(seen), run_dir))  # every rank stops together
             totals["step_seconds"].append(t3 - t0)
             last = step
             bar.update(task_id, advance=1, reward=record["reward_mean"], success=record["success"])
@@ -379,10 +388,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         run_eval("eval_after")
     if cfg.train.save_final:
         final = run_dir / "final"
-        models.policy.save_pretrained(final)
+        dist.save_pretrained(models.policy, final)  # FSDP: gathered on every rank, written by rank 0
         models.tokenizer.save_pretrained(final)
         summary["final_dir"] = str(final)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run_dir = dist.broadcast_object(run_dir)  # every rank reports rank 0's run directory
+    dist.close()
     return RunResult(run_dir, summary)
 
 

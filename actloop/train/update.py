@@ -44,6 +44,7 @@ class UpdateContext:
     critic: Critic | None
     beta: float  # current KL coefficient (fixed or adaptive)
     correction: str  # resolved IS-correction mode ("none" when the engine is the trainer's forward)
+    dist: Any = None  # actloop.train.distributed.Dist under torchrun (docs/distributed.md); None = one process
 
 
 def _engine_logprobs(s: Scored) -> torch.Tensor:
@@ -60,16 +61,26 @@ def _micro(idx: list[int], size: int):
         yield idx[start : start + size]
 
 
+def _share_prefix(ctx: UpdateContext) -> bool:
+    """The shared-prefix KV cache adds a data-dependent backbone call, which FSDP's per-module
+    hooks cannot follow (docs/distributed.md): off for a sharded policy."""
+    return ctx.dist is None or not ctx.dist.fsdp
+
+
 def _packed_pass(ctx: UpdateContext, scored: list[Scored], idx: list[int], need_ref: bool, need_values: bool):
     """No-grad pass: {i: old logp}, {i: ref logp}, {i: values} as packed 1-D tensors."""
     t = ctx.cfg.train
     old, ref, values = {}, {}, {}
     with torch.no_grad():
-        for mb in _micro(idx, t.micro_batch_size):
+        micros = list(_micro(idx, t.micro_batch_size))
+        pad = ctx.dist.missing(len(micros)) if ctx.dist is not None else 0  # FSDP: as many passes as every rank
+        for _ in range(pad):
+            ctx.dist.dummy_pass(ctx, grad=False)
+        for mb in micros:
             seqs = [scored[i].trajectory.input_ids for i in mb]
             masks = [scored[i].trajectory.loss_mask for i in mb]
             out = token_logprobs(ctx.models.policy, seqs, masks, ctx.cfg.rollout.temperature, t.precision,
-                                 return_hidden=need_values and ctx.critic.mode == "head")
+                                 return_hidden=need_values and ctx.critic.mode == "head", share_prefix=_share_prefix(ctx))
             vals = None
             if need_values:
                 vals = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"
@@ -184,16 +195,25 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
     acc: dict[str, list[float]] = {}
     grad_norms = []
     batches = minibatches(len(work), mb_size, t.epochs, seed=cfg.seed, shuffle=t.epochs > 1 or mb_size < len(work))
+    if ctx.dist is not None and ctx.dist.max_int(len(work)) and not batches:  # a rank with nothing to train
+        batches = [[] for _ in range(t.epochs)]  # still takes every optimizer step with the others
     for batch in batches:
         idx = [work[j] for j in batch]
         num_seqs = len(idx) if mb_size < len(valid) else len(valid)
         num_tokens = sum(len(adv[i]) for i in (idx if mb_size < len(valid) else valid))
+        micros = list(_micro(sorted(idx, key=lambda i: len(scored[i].trajectory.input_ids)), t.micro_batch_size))
+        pad = 0
+        if ctx.dist is not None:  # totals over all ranks: the ranks' summed gradients are one process's
+            num_seqs, num_tokens = ctx.dist.sum_ints(num_seqs, num_tokens)
+            pad = ctx.dist.missing(len(micros))
         ctx.optimizer.zero_grad(set_to_none=True)
-        for mb in _micro(sorted(idx, key=lambda i: len(scored[i].trajectory.input_ids)), t.micro_batch_size):
+        for _ in range(pad):
+            ctx.dist.dummy_pass(ctx, grad=True)
+        for mb in micros:
             seqs = [scored[i].trajectory.input_ids for i in mb]
             masks = [scored[i].trajectory.loss_mask for i in mb]
             out = token_logprobs(policy, seqs, masks, cfg.rollout.temperature, t.precision,
-                                 return_hidden=need_values and ctx.critic.mode == "head")
+                                 return_hidden=need_values and ctx.critic.mode == "head", share_prefix=_share_prefix(ctx))
             mask = out.mask
             old_logp = scatter([old[i] for i in mb], mask) if not on_policy else out.logp.detach()
             is_w = None
@@ -224,13 +244,17 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
             for k, val in m.items():
                 acc.setdefault(k, []).append(val)
         params = [p for g in ctx.optimizer.param_groups for p in g["params"]]
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)))
+        clip = ctx.dist.clip_grad_norm_ if ctx.dist is not None else torch.nn.utils.clip_grad_norm_
+        grad_norms.append(float(clip(params, t.max_grad_norm)))
         ctx.optimizer.step()
     if need_ref and "kl" not in acc:  # KL as a reward penalty: report the measured KL
         acc["kl"] = [mean(float(KL_ESTIMATORS[cfg.kl.estimator](old[i], ref[i]).mean()) for i in valid)]
+    n_work = len(work)
+    if ctx.dist is not None:  # every rank's micro-batch metrics, as one process would log them
+        acc, metrics, n_work = ctx.dist.gather_update_metrics(acc, metrics, n_work)
     out_metrics = {k: mean(v) for k, v in acc.items()}
     out_metrics.update(metrics)
-    out_metrics.update(grad_norm=mean(grad_norms), optimizer_steps=len(batches), trained_trajectories=len(work),
+    out_metrics.update(grad_norm=mean(grad_norms), optimizer_steps=len(batches), trained_trajectories=n_work,
                        beta=ctx.beta)
     out_metrics.setdefault("kl", 0.0)
     out_metrics.setdefault("clip_frac", 0.0)
