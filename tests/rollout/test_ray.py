@@ -84,10 +84,18 @@ def test_ray_worker_logprobs_match_trainer_and_follow_sync(ray_session, fp32_mod
 def test_train_through_ray_same_loop(ray_session, tmp_path):
     from actloop.train.trainer import train
 
+    import actloop.rewards.code as code
+    from actloop.sandbox.ray_pool import RaySandbox
+
     cfg = _cfg(tmp_path, "rollout.engine=ray", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2",
                "rollout.max_new_tokens=12", "rollout.max_turns=2", "train.eval_before=false", "train.eval_after=false",
-               "train.save_final=false", "run_name=ray")
-    res = train(cfg, progress=False, print_fn=lambda *a: None)
+               "train.save_final=false", "run_name=ray", "ray.num_sandbox_workers=1")
+    try:
+        res = train(cfg, progress=False, print_fn=lambda *a: None)
+        sandbox = code.default_sandbox()  # the code graders' sandbox is now the actors'
+        assert isinstance(sandbox, RaySandbox) and sandbox.run("print(1 + 1)").stdout == "2\n"
+    finally:
+        code._DEFAULT_SANDBOX = None  # the actors die with the module's Ray session
     lines = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     for r in lines:
