@@ -310,6 +310,23 @@ def nccl_broadcaster(master_address: str, master_port: int, world_size: int) -> 
     return send
 
 
+def rendezvous_address(server_url: str) -> str:
+    """Where the server's workers reach the trainer's NCCL rendezvous: loopback when the server
+    runs on this machine, else this host's address."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(server_url).hostname
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:  # the address of the interface that routes to the server (a UDP connect sends nothing)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
 class HTTPError(RuntimeError):
     """The vLLM server answered with an error status (its body is in the message)."""
 
@@ -337,7 +354,7 @@ class VLLMServerEngine:
         self.sync, self.timeout_s, self.dtype = sync, timeout_s, dtype
         self.adapter_dir = Path(adapter_dir or "vllm-adapters")
         self.world_size, self.master_port = world_size, master_port
-        self.master_address = master_address or "127.0.0.1"
+        self.master_address = master_address or rendezvous_address(self.base_url)
         self._broadcaster, self._send = broadcaster, None
         self.base_model = model or self._get("/v1/models")["data"][0]["id"]
         self.model = self.base_model  # the LoRA adapter's name once one is loaded

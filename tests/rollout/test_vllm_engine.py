@@ -22,6 +22,7 @@ from actloop.rollout.vllm_engine import (
     finish_reason,
     full_weights,
     parse_completions,
+    rendezvous_address,
     save_adapter,
     vllm_sampling_kwargs,
     vllm_weight_name,
@@ -284,6 +285,14 @@ def test_server_nccl_sync_posts_metadata_while_broadcasting_in_order(server):
     assert ups[0]["update_info"]["shapes"] == [[3, 2], [3]]
     assert len(sent) == 4 and torch.equal(sent[0], model.lin.weight.detach().to(torch.bfloat16))
     assert len(server.posts("/finish_weight_update")) == 2  # /start_weight_update is 404 here: skipped
+
+
+def test_rendezvous_address_is_loopback_only_for_a_local_server():
+    assert rendezvous_address("http://localhost:8000") == rendezvous_address("http://127.0.0.1:8000") == "127.0.0.1"
+    import ipaddress
+
+    remote = rendezvous_address("http://192.0.2.7:8000")  # TEST-NET: routed (or not) but never contacted
+    assert ipaddress.ip_address(remote).version == 4
 
 
 def test_server_error_status_is_raised_with_its_body(server):
