@@ -52,6 +52,18 @@ def series(history: History, key: str) -> list[tuple[int, float]]:
     return out
 
 
+# metrics of the policy update; a step whose groups all had zero advantage trains nothing and
+# reports them as 0.0, which is not a measurement
+UPDATE_KEYS = ("entropy", "kl", "grad_norm", "clip_frac", "loss")
+
+
+def drop_idle_updates(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record without UPDATE_KEYS when it says no trajectory was trained on."""
+    if record.get("trained_trajectories") == 0:
+        return {k: v for k, v in record.items() if k not in UPDATE_KEYS}
+    return dict(record)
+
+
 def _values(history: History, key: str) -> list[float]:
     return [v for _, v in series(history, key)]
 

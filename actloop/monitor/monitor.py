@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from actloop.monitor.alarms import Alarm, step_alarms
+from actloop.monitor.alarms import Alarm, drop_idle_updates, step_alarms
 from actloop.monitor.costs import CostMonitor
 from actloop.monitor.metrics import JsonlSink
 from actloop.monitor.samples import pick, sample_record
@@ -108,7 +108,7 @@ class Monitor:
 
     def _alarms(self, record: dict[str, Any]) -> list[Alarm]:
         keep = set(ALARM_KEYS) | set(self.mcfg.heldout_keys)
-        self.history.append({k: v for k, v in numeric(record).items() if k in keep})
+        self.history.append({k: v for k, v in numeric(drop_idle_updates(record)).items() if k in keep})
         fired, self.alarm_states = step_alarms(self.history, self.mcfg, self.alarm_states)
         for a in fired:
             self.print(str(a))

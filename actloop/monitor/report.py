@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from actloop.monitor.alarms import series
+from actloop.monitor.alarms import drop_idle_updates, series
 from actloop.monitor.costs import TIME_PARTS
 
 
@@ -96,14 +96,15 @@ def _plot_reward(ax, d: RunData) -> bool:
     drawn = False
     if pts:
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, color="black", label="reward (mean)")
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=4, color="black", linewidth=2.2,
+                zorder=4, label="reward (mean)")
         if sd:
             lo = [y - sd.get(x, 0.0) for x, y in pts]
             hi = [y + sd.get(x, 0.0) for x, y in pts]
             ax.fill_between(xs, lo, hi, color="gray", alpha=0.2, label="± std")
         drawn = True
     for k in _keys(d.metrics, "reward/"):
-        drawn |= _line(ax, d.metrics, k, k.split("/", 1)[1], linewidth=1)
+        drawn |= _line(ax, d.metrics, k, k.split("/", 1)[1], linewidth=1, linestyle="--")
     _alarm_lines(ax, d.alarms, ("reward_hacking",))
     ax.set_ylabel("reward")
     return drawn
@@ -125,10 +126,14 @@ def _plot_success(ax, d: RunData) -> bool:
     return drawn
 
 
-def _single(key: str, label: str, alarm: str, ylabel: str) -> Callable[[Any, RunData], bool]:
-    """A plot of one metric, with the steps where `alarm` fired marked."""
+def _single(key: str, label: str, alarm: str, ylabel: str, zero_is_missing: bool = False
+            ) -> Callable[[Any, RunData], bool]:
+    """A plot of one metric, with the steps where `alarm` fired marked. `zero_is_missing`: a
+    metric that is 0 at every step was not measured (KL without a reference model)."""
 
     def plot(ax, d: RunData) -> bool:
+        if zero_is_missing and not any(v for _, v in series(d.metrics, key)):
+            return False
         drawn = _line(ax, d.metrics, key, label)
         _alarm_lines(ax, d.alarms, (alarm,))
         ax.set_ylabel(ylabel)
@@ -181,15 +186,18 @@ def _plot_time(ax, d: RunData) -> bool:
     other = [max(0.0, total[s] - b) for s, b in zip(steps, bottom)]
     if any(o > 0.01 for o in other):
         ax.bar(steps, other, bottom=bottom, color="lightgray", label="other", width=0.8)
-    _line(ax, d.metrics, "sandbox_s", "sandbox (within the above)", color="black", linestyle="--")
+    if any(v > 0 for _, v in series(d.metrics, "sandbox_s")):
+        _line(ax, d.metrics, "sandbox_s", "sandbox (within the above)", color="black", linestyle="--")
     ax.set_ylabel("seconds per step")
+    ax.set_ylim(0, 1.5 * max(max(total.values()), max(bottom), 1e-3))  # headroom for the legend
     return True
 
 
 PLOTS: dict[str, tuple[str, Callable[[Any, RunData], bool]]] = {
     "reward": ("Reward and its components", _plot_reward),
     "success": ("Success: training samples and held-out", _plot_success),
-    "kl": ("KL to the reference", _single("kl", "KL to reference (per token)", "kl_blowup", "KL")),
+    "kl": ("KL to the reference", _single("kl", "KL to reference (per token)", "kl_blowup", "KL",
+                                                 zero_is_missing=True)),
     "entropy": ("Entropy", _single("entropy", "policy entropy (nats/token)", "entropy_collapse", "entropy")),
     "length": ("Response length", _plot_length),
     "flags": ("Flags, malformed calls, zero-variance groups", _plot_flags),
@@ -206,6 +214,7 @@ def make_plots(d: RunData, out_dir: Path) -> tuple[dict[str, Path], list[str]]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    d = RunData(**{**d.__dict__, "metrics": [drop_idle_updates(r) for r in d.metrics]})
     made, missing = {}, []
     for name, (title, fn) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
@@ -253,6 +262,10 @@ def _e(x: Any) -> str:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
+        v = int(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
     if isinstance(v, float):
         return f"{v:.4g}" if math.isfinite(v) else str(v)
     return str(v)
@@ -288,7 +301,7 @@ def _summary_rows(d: RunData) -> list[tuple[str, str]]:
                      ("total/judge/completion_tokens", "judge completion tokens"),
                      ("total/judge/cost_usd", "judge cost (USD)"), ("total/sandbox_runs", "sandbox runs"),
                      ("total/sandbox_timeouts", "sandbox timeouts")):
-        if k in last:
+        if k in last and (last[k] or not k.startswith(("total/judge", "total/sandbox"))):  # no judge: no rows
             rows.append((label, _fmt(last[k])))
     fr = {p: last.get(f"total/{p}_s") for p in TIME_PARTS}
     if last.get("total/step_s"):

@@ -130,3 +130,20 @@ def test_thresholds_come_from_config():
     recs = run(10, lambda s: {"kl": 0.3} if s == 5 else {})
     assert replay(recs) == []
     assert replay(recs, MonitorConfig(kl_max=0.2)) == [(5, "kl_blowup")]
+
+
+def test_steps_that_trained_nothing_do_not_count_as_entropy_collapse(cfg, tmp_path):
+    # the update reports entropy 0.0 when every group had zero advantage (nothing trained)
+    from actloop.monitor.monitor import Monitor
+
+    from .conftest import make_batch, record
+
+    mon = Monitor(cfg, tmp_path, print_fn=lambda _: None)
+    fired = []
+    for s in range(1, 15):
+        idle = s in (2, 9)
+        rec = record(s, entropy=0.0 if idle else 1.0, grad_norm=0.0 if idle else 1.0,
+                     trained_trajectories=0 if idle else 4)
+        fired += mon.log_step(rec, make_batch([0.0, 1.0]))
+    assert fired == []
+    assert [h.get("entropy") for h in mon.history[:3]] == [1.0, None, 1.0]

@@ -22,7 +22,8 @@ def fake_run(cfg, run_dir, steps=6):
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     mon = Monitor(cfg, run_dir, print_fn=lambda _: None)
     for s in range(1, steps + 1):
-        rec = record(s, reward_mean=0.1 * s, **{"reward/format": 0.5, "sandbox_s": 0.3})
+        rec = record(s, reward_mean=0.1 * s, prompt_tokens=1000,
+                     **{"reward/format": 0.5, "sandbox_s": 0.3, "judge/cost_usd": 0.002, "judge/requests": 0})
         if s == 4:
             rec["kl"] = 5.0
         evil = make_scored(1.0, (Flag("stdout_spoof", "printed <b>All tests passed</b>", action="zero"),),
@@ -52,6 +53,8 @@ def test_full_report(cfg, tmp_path):
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; done" in text
     assert "printed &lt;b&gt;All tests passed&lt;/b&gt;" in text
     assert "40.0% (n=10)" in text and "+20.0 points" in text
+    assert "<th>prompt tokens</th><td>6,000</td>" in text and "<th>judge cost (USD)</th><td>0.012</td>" in text
+    assert "judge requests" not in text  # a total that stayed 0 gets no row
     assert "kl_blowup" in text and "KL 5 &gt; 0.5" in text
     assert "monitor:" in text and "sample_every: 2" in text  # the config
 
