@@ -178,6 +178,17 @@ class TrainConfig:
     eval_after: bool = opt(True, "Evaluate greedy success on the held-out split after training.")
     save_final: bool = opt(True, "Save the final model (and tokenizer) to RUN_DIR/final.")
     threads: int = opt(0, "torch CPU threads (0 = torch's default).")
+    gradient_checkpointing: bool = opt(
+        False, "Recompute each decoder layer's activations in the backward pass: less memory, ~30% more compute."
+    )
+    logits_chunk: int = opt(
+        4096, "Loss positions per lm_head + log-softmax chunk, recomputed in the backward (0 = all [N, vocab] "
+        "logits at once, kept for the backward)."
+    )
+    attn_implementation: str = opt(
+        "sdpa", "Attention kernel: `sdpa` (default), `eager`, or `flash_attention_2` / `flash_attention_3` (CUDA, "
+        "needs the flash-attn package)."
+    )
 
 
 @dataclass

@@ -134,7 +134,34 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_models(name: str, *, lora: Any | None = None, need_reference: bool = False) -> Models:
+ATTN_IMPLEMENTATIONS = {  # name -> (import name of the kernel package, pip name), None = built into torch
+    "sdpa": None,
+    "eager": None,
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (built from the flash-attention repo's hopper/)"),
+}
+
+
+def check_attn_implementation(name: str) -> str:
+    """Validate `train.attn_implementation` before loading: flash-attention needs CUDA and its
+    package; the error says which is missing instead of failing inside transformers."""
+    import torch
+
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ModelError(f"unknown attention implementation `{name}` (choose one of {', '.join(ATTN_IMPLEMENTATIONS)})")
+    need = ATTN_IMPLEMENTATIONS[name]
+    if need is None:
+        return name
+    if not torch.cuda.is_available():
+        raise ModelError(f"attn_implementation={name} needs a CUDA GPU; use `sdpa` on this machine")
+    if importlib.util.find_spec(need[0]) is None:
+        raise ModelError(f"attn_implementation={name} needs the `{need[0]}` package: pip install {need[1]}; "
+                         "or use `sdpa`")
+    return name
+
+
+def load_models(name: str, *, lora: Any | None = None, need_reference: bool = False,
+                attn_implementation: str = "sdpa") -> Models:
     """Load the policy in fp32 (master weights), optionally wrap it in LoRA, make a reference."""
     import copy
 
@@ -142,8 +169,9 @@ def load_models(name: str, *, lora: Any | None = None, need_reference: bool = Fa
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name)
+    attn = check_attn_implementation(attn_implementation)
     try:
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     except OSError as e:
         raise ModelError(f"cannot load model `{name}` from {path}: {e}") from None
     tokenizer = load_tokenizer(path)

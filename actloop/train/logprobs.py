@@ -1,16 +1,18 @@
-"""Trainer-side log-probs of sampled tokens, with the shared prompt prefix computed once.
+"""Trainer-side log-probs of sampled tokens, with shared prompt prefixes computed once.
 
-The episodes of a step share their system prompt and few-shot turns. We run that prefix once
-(batch 1) with gradients on, broadcast its KV cache to every row, and run only each row's own
-suffix; autograd sums the rows' gradients back through the broadcast, so the gradient is the
-same as running every full sequence, at a fraction of the cost. Logits are computed only at
-positions that predict a loss-masked token (the lm_head over a 49k vocabulary is a large part
-of a small model's compute).
+The episodes of a step share their system prompt and few-shot turns, and the G episodes of a
+GRPO group share their whole prompt. We run each shared prefix once with gradients on, select
+its KV cache into every row that shares it, and run only each row's own suffix; autograd sums
+the rows' gradients back through the selection, so the gradient is the same as running every
+full sequence, at a fraction of the cost (`prefix_plan` picks one prefix for all rows or one
+per prompt, whichever runs fewer positions). Logits are computed only at positions that
+predict a loss-masked token, and in chunks (`ChunkedHeadLogprob`): the lm_head over a 49k
+vocabulary would otherwise hold N x 49k floats for the backward.
 
-Layout: target j of row i is the token at absolute position P + j + 1, predicted from position
-P + j, where P is the shared prefix length. `mask` marks the sampled (trained) targets; reading
-a [B, S] tensor at `mask` row by row gives each trajectory's sampled tokens in order — the
-"packed" per-trajectory form the update uses for old / reference / engine log-probs.
+Layout: target j of row i is the token at absolute position P_i + j + 1, predicted from position
+P_i + j, where P_i is row i's shared prefix length. `mask` marks the sampled (trained) targets;
+reading a [B, S] tensor at `mask` row by row gives each trajectory's sampled tokens in order —
+the "packed" per-trajectory form the update uses for old / reference / engine log-probs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache
+from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache, use_bf16
 
 
 @dataclass
@@ -35,54 +37,173 @@ def backbone_and_head(model):
     return base.model, base.lm_head
 
 
+def set_checkpointing(backbone, on: bool) -> None:
+    """Turn transformers' per-layer gradient checkpointing on or off (non-reentrant, so frozen
+    embeddings under LoRA need no input-grad hook)."""
+    flag = "is_activation_checkpointing" if hasattr(type(backbone), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    if bool(getattr(backbone, flag, False)) == on:
+        return
+    if on:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        backbone.gradient_checkpointing_disable()
+
+
 def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], precision: str = "auto",
-                      share_prefix: bool = True):
+                      share_prefix: bool = True, checkpointing: bool = False):
     """Run the backbone; return (hidden [N, H] at positions predicting masked tokens, targets [N],
-    selection (rows, cols) into [B, S], (B, S))."""
+    selection (rows, cols) into [B, S], (B, S)).
+
+    checkpointing=True recomputes each decoder layer in the backward. transformers drops the KV
+    cache inside a checkpointed layer (a replay would append to it twice), so the shared prefix
+    is not split off then: every row runs in full."""
     device = next(backbone.parameters()).device
     B = len(seqs)
-    first_loss = min((m.index(1) if 1 in m else len(m)) for m in masks)
-    P = max(min(common_prefix_len(seqs), first_loss - 1), 0) if share_prefix else 0
-    S = max(len(s) for s in seqs) - P - 1
+    set_checkpointing(backbone, checkpointing)
+    share_prefix = share_prefix and not (checkpointing and torch.is_grad_enabled())
+    P_row, prefixes, owner = prefix_plan(seqs, masks) if share_prefix else ([0] * B, [], [])
+    Pmax = max((len(p) for p in prefixes), default=0)
+    S = max(max(len(s) - P - 1 for s, P in zip(seqs, P_row)), 1)
     ids = torch.zeros((B, S), dtype=torch.long)
-    attn = torch.zeros((B, P + S), dtype=torch.long)
+    attn = torch.zeros((B, Pmax + S), dtype=torch.long)
     tgt = torch.zeros((B, S), dtype=torch.long)
     tmask = torch.zeros((B, S), dtype=torch.bool)
-    attn[:, :P] = 1
-    for i, (s, m) in enumerate(zip(seqs, masks)):
+    pos = torch.zeros((B, S), dtype=torch.long)
+    for i, (s, m, P) in enumerate(zip(seqs, masks, P_row)):
         n = len(s) - P - 1  # suffix inputs of row i
-        ids[i, :n] = torch.tensor(s[P:-1])
-        attn[i, P : P + n] = 1
-        tgt[i, :n] = torch.tensor(s[P + 1 :])
+        ids[i, :n] = torch.tensor(s[P:-1], dtype=torch.long)
+        attn[i, :P] = 1
+        attn[i, Pmax : Pmax + n] = 1
+        tgt[i, :n] = torch.tensor(s[P + 1 :], dtype=torch.long)
         tmask[i, :n] = torch.tensor(m[P + 1 :], dtype=torch.bool)
-    pos = (P + torch.arange(S))[None].expand(B, S)
+        pos[i] = P + torch.arange(S)
     ids, attn, pos, tgt, tmask = ids.to(device), attn.to(device), pos.to(device), tgt.to(device), tmask.to(device)
     with autocast_context(precision):
         cache = None
-        if P > 0:
-            prefix = torch.tensor([seqs[0][:P]], device=device)
-            cache = output_cache(backbone(input_ids=prefix, use_cache=True))
-            cache.batch_repeat_interleave(B)
+        if Pmax > 0:
+            pre = torch.zeros((len(prefixes), Pmax), dtype=torch.long)
+            pre_attn = torch.zeros((len(prefixes), Pmax), dtype=torch.long)
+            for k, p in enumerate(prefixes):  # right-padded; the pads are masked out as keys below
+                pre[k, : len(p)] = torch.tensor(p, dtype=torch.long)
+                pre_attn[k, : len(p)] = 1
+            kw = {} if len(prefixes) == 1 else {"attention_mask": pre_attn.to(device)}
+            cache = output_cache(backbone(input_ids=pre.to(device), use_cache=True, **kw))
+            if len(prefixes) == 1:
+                cache.batch_repeat_interleave(B)
+            else:
+                cache.batch_select_indices(torch.tensor(owner, device=device))
         hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=cache is not None,
                           **{cache_kwarg(backbone): cache}).last_hidden_state  # [B, S, H]
     sel = tmask.nonzero(as_tuple=True)
     return hidden[sel], tgt[sel], sel, (B, S), tmask
 
 
+def prefix_plan(seqs: list[list[int]], masks: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+    """Which prompt prefix each row shares: (prefix length per row, the distinct prefixes, row ->
+    prefix index).
+
+    A row's prefix may reach the token before its first trained one. Two plans: one prefix common
+    to every row (the system prompt and few-shot turns), or one per distinct prompt (the G rows
+    of a GRPO group share theirs). The plan that runs fewer token positions, padding included,
+    wins."""
+    B = len(seqs)
+    limits = [max((m.index(1) if 1 in m else len(m)) - 1, 0) for m in masks]
+    common = min(common_prefix_len(seqs), min(limits))
+    keys: dict[tuple[int, ...], int] = {}
+    owner = [keys.setdefault(tuple(s[:lim]), len(keys)) for s, lim in zip(seqs, limits)]
+    per_prompt = len(keys) * max(limits) + B * max(len(s) - lim for s, lim in zip(seqs, limits))
+    shared = common + B * (max(len(s) for s in seqs) - common)
+    if len(keys) < B and per_prompt < shared:
+        return limits, [list(k) for k in keys], owner
+    return [common] * B, ([seqs[0][:common]] if common > 0 else []), [0] * B
+
+
 def token_logprobs(model, seqs: list[list[int]], masks: list[list[int]], temperature: float = 1.0,
-                   precision: str = "auto", share_prefix: bool = True, return_hidden: bool = False) -> TokenLogprobs:
+                   precision: str = "auto", share_prefix: bool = True, return_hidden: bool = False,
+                   chunk: int = 4096, checkpointing: bool = False) -> TokenLogprobs:
     """seqs[i] = full token ids of trajectory i, masks[i] its loss mask (same length)."""
     backbone, head = backbone_and_head(model)
-    h, tgt, sel, (B, S), tmask = hidden_at_targets(backbone, seqs, masks, precision, share_prefix)
+    h, tgt, sel, (B, S), tmask = hidden_at_targets(backbone, seqs, masks, precision, share_prefix, checkpointing)
+    lp, ent = head_logprobs(head, h, tgt, temperature, precision, chunk)
+    logp = torch.zeros((B, S), device=lp.device, dtype=lp.dtype).index_put(sel, lp)
+    entropy = torch.zeros((B, S), device=lp.device).index_put(sel, ent)
+    return TokenLogprobs(logp=logp, mask=tmask, entropy=entropy, hidden=h if return_hidden else None)
+
+
+def head_logprobs(head, h: torch.Tensor, tgt: torch.Tensor, temperature: float = 1.0, precision: str = "auto",
+                  chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [N, H], targets [N] -> (log-prob of each target under softmax(head(h) / T) [N], with
+    gradient; entropy of that distribution [N], detached).
+
+    chunk > 0 with a plain bias-free linear head goes through `ChunkedHeadLogprob`: `chunk` rows
+    of [N, V] logits at a time, nothing of size V kept for the backward (it recomputes each
+    chunk's logits), so memory does not grow with N x vocabulary. chunk = 0, or another head (a
+    LoRA-wrapped lm_head), takes the plain path: full [N, V] logits under autocast, kept by
+    autograd for the backward."""
+    if chunk > 0 and type(head) is torch.nn.Linear and head.bias is None:
+        dtype = torch.bfloat16 if use_bf16(precision) else head.weight.dtype
+        return ChunkedHeadLogprob.apply(h, head.weight, tgt, float(temperature), int(chunk), dtype)
     with autocast_context(precision):
         logits = head(h).float() / temperature  # [N, V]
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, tgt[:, None]).squeeze(-1)  # [N]
     with torch.no_grad():
         ent = -(logp_all.exp() * logp_all).sum(-1)
-    logp = torch.zeros((B, S), device=lp.device, dtype=lp.dtype).index_put(sel, lp)
-    entropy = torch.zeros((B, S), device=lp.device).index_put(sel, ent)
-    return TokenLogprobs(logp=logp, mask=tmask, entropy=entropy, hidden=h if return_hidden else None)
+    return lp, ent
+
+
+class ChunkedHeadLogprob(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] and the entropy, over row chunks; W [V, H] is the lm_head.
+
+    Forward keeps h, W, targets and the log-normaliser per row; backward recomputes each chunk's
+    logits z and uses d logp[t] / dz = (onehot(t) - softmax(z)) / T. When all rows fit in one
+    chunk, the softmax is kept instead of recomputed (at most chunk x V floats either way).
+    Matmuls run in `dtype` (bf16 under mixed precision), softmax maths in fp32; the gradient of W
+    is accumulated in fp32 (the master weights)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, tgt, temperature: float, chunk: int, dtype):
+        step = max(chunk, 1)
+        w = weight.to(dtype)
+        acc = torch.promote_types(dtype, torch.float32)  # softmax maths: fp32 (fp64 in tests)
+        lp, ent, lse = (torch.empty(h.shape[0], device=h.device, dtype=acc) for _ in range(3))
+        p = None
+        for s in range(0, h.shape[0], step):
+            z = (h[s : s + step].to(dtype) @ w.T).to(acc) / temperature  # [c, V]
+            lse_c = torch.logsumexp(z, -1)
+            p = torch.exp(z - lse_c[:, None])
+            lse[s : s + step] = lse_c
+            lp[s : s + step] = z.gather(-1, tgt[s : s + step, None]).squeeze(-1) - lse_c
+            ent[s : s + step] = lse_c - (p * z).sum(-1)
+        keep = h.shape[0] <= step and p is not None
+        ctx.save_for_backward(h, weight, tgt, lse, *([p] if keep else []))
+        ctx.temperature, ctx.step, ctx.dtype = temperature, step, dtype
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, _grad_ent):
+        h, weight, tgt, lse, *kept = ctx.saved_tensors
+        T, step, dtype = ctx.temperature, ctx.step, ctx.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight.to(dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None
+        for s in range(0, h.shape[0], step):
+            hc = h[s : s + step].to(dtype)
+            if kept:
+                g = kept[0].neg()  # -softmax
+            else:
+                g = torch.exp((hc @ w.T).to(lse.dtype) / T - lse[s : s + step, None]).neg_()
+            g.scatter_add_(-1, tgt[s : s + step, None], torch.ones_like(lse[s : s + step, None]))
+            g.mul_(grad_lp[s : s + step, None] / T)
+            g = g.to(dtype)
+            if need_h:
+                grad_h[s : s + step] = (g @ w).to(h.dtype)
+            if need_w:
+                grad_w += g.T @ hc
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def pack(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

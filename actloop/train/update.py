@@ -30,6 +30,7 @@ from actloop.models import Models
 from actloop.monitor.metrics import mean
 from actloop.train.critic import Critic
 from actloop.train.logprobs import pack, scatter, token_logprobs
+from actloop.train.memory import step_peak
 from actloop.types import Scored
 
 # algo -> advantage estimator (names of actloop.algos.ADVANTAGE_ESTIMATORS)
@@ -80,7 +81,8 @@ def _packed_pass(ctx: UpdateContext, scored: list[Scored], idx: list[int], need_
             seqs = [scored[i].trajectory.input_ids for i in mb]
             masks = [scored[i].trajectory.loss_mask for i in mb]
             out = token_logprobs(ctx.models.policy, seqs, masks, ctx.cfg.rollout.temperature, t.precision,
-                                 return_hidden=need_values and ctx.critic.mode == "head", share_prefix=_share_prefix(ctx))
+                                 return_hidden=need_values and ctx.critic.mode == "head", chunk=t.logits_chunk,
+                                 checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx))
             vals = None
             if need_values:
                 vals = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"
@@ -93,7 +95,8 @@ def _packed_pass(ctx: UpdateContext, scored: list[Scored], idx: list[int], need_
                     values[i] = vals[k].cpu()
             if need_ref:
                 with ctx.models.reference_context():
-                    r = token_logprobs(ctx.models.reference_model(), seqs, masks, ctx.cfg.rollout.temperature, t.precision)
+                    r = token_logprobs(ctx.models.reference_model(), seqs, masks, ctx.cfg.rollout.temperature,
+                                       t.precision, chunk=t.logits_chunk, checkpointing=t.gradient_checkpointing)
                 for k, i in enumerate(mb):
                     ref[i] = r.logp[k][r.mask[k]].float().cpu()
     return old, ref, values
@@ -213,7 +216,8 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
             seqs = [scored[i].trajectory.input_ids for i in mb]
             masks = [scored[i].trajectory.loss_mask for i in mb]
             out = token_logprobs(policy, seqs, masks, cfg.rollout.temperature, t.precision,
-                                 return_hidden=need_values and ctx.critic.mode == "head", share_prefix=_share_prefix(ctx))
+                                 return_hidden=need_values and ctx.critic.mode == "head", chunk=t.logits_chunk,
+                                 checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx))
             mask = out.mask
             old_logp = scatter([old[i] for i in mb], mask) if not on_policy else out.logp.detach()
             is_w = None
@@ -259,6 +263,7 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
     out_metrics.setdefault("kl", 0.0)
     out_metrics.setdefault("clip_frac", 0.0)
     out_metrics.setdefault("entropy", 0.0)
+    out_metrics.update(step_peak())  # peak memory since the previous update ended: this whole step
     return out_metrics
 
 
@@ -273,7 +278,8 @@ def _entropy_with_grad(policy, seqs, masks, cfg: Config, weights: torch.Tensor) 
     from actloop.train.logprobs import backbone_and_head, hidden_at_targets
 
     backbone, head = backbone_and_head(policy)
-    h, _, sel, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision)
+    h, _, sel, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision,
+                                        checkpointing=cfg.train.gradient_checkpointing)
     with autocast_context(cfg.train.precision):
         logits = head(h).float() / cfg.rollout.temperature
     logp = torch.log_softmax(logits, -1)

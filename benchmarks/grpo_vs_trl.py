@@ -1,0 +1,246 @@
+"""GRPO seconds per step: actloop vs TRL's GRPOTrainer at identical settings, on one machine.
+
+Both run the same single-turn task — GSM8K training questions (the chat `prompt` of each row),
+scored by the same TRL-signature reward function `gsm8k_reward` below — on the same model (the
+embedded SmolLM2-135M-Instruct, from `actloop.models.resolve_model`), with the same prompts per
+step P, group size G, max new tokens, temperature (top-p 1, no top-k), learning rate (constant,
+no warm-up, AdamW, no weight decay, grad-norm clip 1.0), KL beta, number of steps, precision
+(bf16 autocast over fp32 master weights, or fp32), thread count, and loss: per-sequence mean of
+the clipped token objective (TRL `loss_type="grpo"` = actloop `train.loss_agg=seq_mean`), group
+std scaling, one update per batch (TRL `num_iterations=1`, actloop `train.epochs=1`). One step =
+P x G completions for both (TRL: per_device_train_batch_size = P*G, gradient_accumulation 1,
+no vLLM). With `--mode lora` both train the same peft adapter (actloop's `lora.*` defaults:
+r 16, alpha 32, dropout 0, all attention and MLP projections).
+
+Each (framework, mode, repeat) runs in its own child process, so neither warms the other's
+caches and each reports its own peak RSS; TRL and actloop alternate back to back (the order
+flips every repeat), because this box is shared and its load drifts. Seconds per step exclude
+the first (warm-up) step of each run: TRL's are the intervals between `on_step_end` callbacks,
+actloop's the `step_s` of its metrics (rollout + scoring + update + weight sync).
+
+    python benchmarks/grpo_vs_trl.py                       # full FT and LoRA, 2 x 4, 64 tokens
+    python benchmarks/grpo_vs_trl.py --mode full --repeats 2 --steps 4 --threads 2
+    python benchmarks/grpo_vs_trl.py --only actloop --precision fp32
+
+Needs the `bench` extra (trl, datasets) for the TRL side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DATA = Path(os.environ.get("ACTLOOP_DATA_DIR", ROOT.parent / "shared" / "data")) / "gsm8k" / "train.jsonl"
+INSTRUCTION = "Solve the problem. End your reply with '#### <number>'."
+
+
+def _text(completion) -> str:
+    """TRL passes conversational completions as [{"role": "assistant", "content": ...}]; actloop a string."""
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
+
+
+def gsm8k_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last number of the completion equals the row's answer, plus 0.05 per number
+    written (at most 0.5: "shows its working"). The dense part keeps groups from having all-equal
+    rewards, which would let either framework skip work (actloop skips zero-advantage rows)."""
+    out = []
+    for c, a in zip(completions, answer):
+        nums = re.findall(r"-?\d[\d,]*\.?\d*", _text(c))
+        correct = bool(nums) and nums[-1].replace(",", "").rstrip(".") == a
+        out.append(float(correct) + min(0.05 * len(nums), 0.5))
+    return out
+
+
+def write_rows(path: Path, n: int) -> Path:
+    rows = []
+    with open(DATA) as f:
+        for line in f:
+            r = json.loads(line)
+            rows.append({"prompt": [{"role": "user", "content": f"{r['question']}\n{INSTRUCTION}"}],
+                         "answer": r["answer"].split("####")[-1].strip().replace(",", "")})
+            if len(rows) >= n:
+                break
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ---------------------------------------------------------------------------------------- children
+
+def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
+    from actloop.config import load_config
+    from actloop.train.trainer import train
+
+    overrides = [
+        "model=smollm2-135m-instruct", f"data.path={rows}", f"reward.funcs=[{Path(__file__).resolve()}:gsm8k_reward]",
+        "rollout.max_turns=1", f"rollout.max_new_tokens={a.max_new_tokens}", f"rollout.temperature={a.temperature}",
+        "rollout.top_p=1.0", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
+        f"train.group_size={a.group}", f"train.lr={a.lr}", f"train.beta={a.beta}", "train.loss_agg=seq_mean",
+        "train.adv_scale=group", "train.epochs=1", "train.minibatch_size=0", "train.weight_decay=0.0",
+        "train.max_grad_norm=1.0", "train.warmup_steps=0", f"train.precision={a.precision}",
+        f"train.threads={a.threads}", "train.eval_before=false", "train.eval_after=false", "train.save_final=false",
+        f"lora.enabled={str(a.mode == 'lora').lower()}", f"seed={a.seed}", f"output_dir={out_dir}", "run_name=actloop",
+    ] + (["train.gradient_checkpointing=true"] if a.gradient_checkpointing else []) + list(a.actloop_override)
+    cfg = load_config(None, overrides)
+    res = train(cfg, progress=False, print_fn=lambda *_: None)
+    with open(res.run_dir / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    keys = ("rollout_s", "update_s", "peak_mem_mb", "trained_trajectories", "response_tokens")
+    print("PARTS " + json.dumps([{k: r.get(k) for k in keys} for r in recs]), file=sys.stderr, flush=True)
+    return [r["step_s"] for r in recs]
+
+
+def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from actloop.config import LoraConfig as ActloopLora
+    from actloop.models import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    data = Dataset.from_list([json.loads(line) for line in rows.read_text().splitlines()])
+    peft_config = None
+    if a.mode == "lora":
+        from peft import LoraConfig
+
+        d = ActloopLora()
+        peft_config = LoraConfig(r=d.r, lora_alpha=d.alpha, lora_dropout=d.dropout,
+                                 target_modules=list(d.target_modules), task_type="CAUSAL_LM")
+    args = GRPOConfig(
+        output_dir=str(out_dir), max_steps=a.steps, per_device_train_batch_size=a.prompts * a.group,
+        gradient_accumulation_steps=1, num_generations=a.group, max_completion_length=a.max_new_tokens,
+        temperature=a.temperature, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=a.beta, num_iterations=1, loss_type="grpo",
+        scale_rewards="group", epsilon=0.2, use_vllm=False, bf16=a.precision == "bf16", use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=1, seed=a.seed, disable_dropout=True,
+        log_completions=False, dataloader_num_workers=0,
+        gradient_checkpointing=a.gradient_checkpointing,  # TRL's default is on; actloop's off: match
+    )
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            ends.append(time.perf_counter())
+
+    trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=args, train_dataset=data,
+                          processing_class=tok, peft_config=peft_config, callbacks=[StepClock()])
+    trainer.train()
+    return [b - a_ for a_, b in zip(ends, ends[1:])]
+
+
+def child(a) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
+        rows = write_rows(Path(tmp) / "rows.jsonl", max(64, a.prompts * a.steps * 2))
+        fn = run_trl if a.child == "trl" else run_actloop
+        steps = fn(a, rows, Path(tmp) / "out")
+    print("RESULT " + json.dumps({"framework": a.child, "mode": a.mode, "step_s": steps, "peak_rss_mb": peak_rss_mb()}),
+          flush=True)
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+def launch(a, framework: str, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", framework, "--mode", mode] + [
+        x for k in ("steps", "prompts", "group", "max_new_tokens", "precision", "threads", "lr", "beta",
+                    "temperature", "seed") for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+    if a.gradient_checkpointing:
+        cmd.append("--gradient-checkpointing")
+    for o in a.actloop_override:
+        cmd += ["--actloop-override", o]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false")
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    for ln in p.stderr.splitlines():
+        if ln.startswith("PARTS ") and a.verbose:
+            print(f"  {framework} {mode} per step: {ln[6:]}", file=sys.stderr)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        sys.exit(f"{framework}/{mode} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    steady = r["step_s"][1:] or r["step_s"]  # the first step is warm-up
+    r["s_per_step"] = statistics.mean(steady)
+    print(f"  {framework:7s} {mode:4s} {r['s_per_step']:6.2f} s/step  steps {[round(s, 2) for s in r['step_s']]}  "
+          f"peak RSS {r['peak_rss_mb']:.0f} MB  ({time.time() - t0:.0f} s wall)", file=sys.stderr, flush=True)
+    return r
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is warm-up)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per step (P)")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for both")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--beta", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="on for both (TRL's own default is on)")
+    ap.add_argument("--mode", choices=["full", "lora", "both"], default="both")
+    ap.add_argument("--only", choices=["actloop", "trl"], default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="back-to-back repeats of each pair")
+    ap.add_argument("--actloop-override", action="append", default=[], help="extra actloop key=value (ablations)")
+    ap.add_argument("--verbose", action="store_true", help="print actloop's per-step rollout/update split")
+    ap.add_argument("--child", choices=["actloop", "trl"], default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child(a)
+
+    frameworks = [a.only] if a.only else ["trl", "actloop"]
+    modes = ["full", "lora"] if a.mode == "both" else [a.mode]
+    results: dict[tuple[str, str], list[dict]] = {}
+    for mode in modes:
+        for rep in range(a.repeats):
+            for fw in (frameworks if rep % 2 == 0 else frameworks[::-1]):
+                results.setdefault((fw, mode), []).append(launch(a, fw, mode))
+
+    print(f"\nGRPO, {a.prompts} prompts x {a.group} samples, {a.max_new_tokens} new tokens, {a.precision}, "
+          f"{a.threads} threads, beta {a.beta}, {a.steps} steps (first excluded), median of {a.repeats} run(s)\n")
+    cols = " | ".join(f"{fw} s/step | {fw} peak RSS MB" for fw in frameworks)
+    print(f"| mode | {cols} |" + (" actloop speed-up (TRL s / actloop s) |" if len(frameworks) == 2 else ""))
+    print("|---" * (1 + 2 * len(frameworks) + (len(frameworks) == 2)) + "|")
+    for mode in modes:
+        cells, s = [], {}
+        for fw in frameworks:
+            rs = results[(fw, mode)]
+            s[fw] = statistics.median(r["s_per_step"] for r in rs)
+            cells.append(f"{s[fw]:.2f} | {statistics.median(r['peak_rss_mb'] for r in rs):.0f}")
+        ratio = f" {s['trl'] / s['actloop']:.2f}x |" if len(frameworks) == 2 else ""
+        print(f"| {'full fine-tuning' if mode == 'full' else 'LoRA'} | {' | '.join(cells)} |{ratio}")
+
+
+if __name__ == "__main__":
+    main()
