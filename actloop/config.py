@@ -477,13 +477,12 @@ def _unknown(key: str, valid: list[str]) -> ConfigError:
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
     """Set dotted `key` on `cfg`, type-checked. Raises ConfigError for unknown keys or bad values."""
-    valid = [k for k, *_ in all_keys()]
     parts = key.split(".")
     obj: Any = cfg
     for i, part in enumerate(parts):
         cls = type(obj)
         if part not in _fields(cls):
-            raise _unknown(key, valid)
+            raise _unknown(key, [k for k, *_ in all_keys()])  # listed only on error: all_keys is slow
         tp = _field_type(cls, part)
         if i == len(parts) - 1:
             if _is_section(tp):
@@ -495,7 +494,7 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
             setattr(obj, part, _coerce(key, tp, value))
             return
         if not _is_section(tp):
-            raise _unknown(key, valid)
+            raise _unknown(key, [k for k, *_ in all_keys()])  # listed only on error: all_keys is slow
         obj = getattr(obj, part)
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -165,6 +166,9 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     """Run `cfg.algo`: the online RL loop below, or the offline trainers (dpo, sft)."""
     if cfg.algo in OFFLINE_TRAINERS:
         import importlib
+
+        if cfg.resume:
+            raise ConfigError(f"resume is for the online algorithms (grpo, rloo, reinforce_pp, ppo), not {cfg.algo}")
 
         module, name = OFFLINE_TRAINERS[cfg.algo].split(":")
         return getattr(importlib.import_module(module), name)(cfg, progress=progress, print_fn=print_fn)
@@ -324,7 +328,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             if hasattr(engine, "sleep"):
                 engine.sleep()  # a colocated vLLM frees its GPU memory for the update
             upd = rl_update(ctx, scored, cfg.train.group_size)
-            scheduler.step()
+            with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                scheduler.step()
             dist.sync_engine(engine, models.policy)  # FSDP: the gathered full weights
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target)
             ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon,

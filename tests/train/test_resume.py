@@ -27,11 +27,16 @@ REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) /
 
 
 def tiny(tmp_path: Path, name: str) -> list[str]:
-    reward = tmp_path / "varied_reward.py"
+    """4 steps of 2 prompts x 2 samples, 8 new tokens, short prompts (the update is most of a
+    step's cost, and it grows with the prompt), adaptive KL to a reference, a checkpoint every 2 steps
+    (the kill in step 3 resumes from step 2)."""
+    reward, rows = tmp_path / "varied_reward.py", tmp_path / "rows.jsonl"
     reward.write_text(REWARD)
-    return ["train", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", "data.train_size=20",
-            "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=2", "train.eval_before=false",
-            "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=1",
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Name a colour, {i}."}]}) + "\n"
+                            for i in range(12)))
+    return ["train", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", f"data.path={rows}",
+            "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=1", "train.eval_before=false",
+            "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=2",
             "checkpoint.keep=1", "train.beta=0.04", "kl.controller=adaptive", f"reward.funcs=[{reward}:varied]",
             f"output_dir={tmp_path}", f"run_name={name}", "--no-progress"]
 
@@ -48,12 +53,13 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
-VOLATILE = ("rollout_s", "scoring_s", "update_s", "step_s", "gen_tokens_per_s", "sandbox_s", "peak_mem_mb",
-            "peak_mem_window")
+def volatile(key: str) -> bool:
+    """Timings (`*_s`, tokens per second, time shares) and memory readings differ between runs."""
+    return key.endswith("_s") or key.startswith(("time/", "peak_mem"))
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE}
+    return [{k: v for k, v in json.loads(line).items() if not volatile(k)}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -185,3 +191,46 @@ def test_resume_without_checkpoint_or_with_changed_data_fails_clearly(tmp_path):
     run_dir, ckpt = open_run(checkpoint.resume_config(run, ["train.steps=30"]), print_fn=lambda *_: None)
     assert run_dir == run and ckpt.step == 3
     assert load_config(run / "config.yaml").train.steps == 30  # the extended config is the run's config now
+
+
+def test_graceful_stop_first_signal_asks_second_aborts():
+    from actloop.train.interrupt import GracefulStop
+
+    said = []
+    with GracefulStop(said.append) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.requested == "SIGINT" and "finishing this step" in said[0]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the old handler is back
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch):
+    """In-process: SIGINT during step 1's update; the step finishes, a checkpoint is written, the
+    run returns `stopped`; resuming runs steps 2-3 and nothing is lost or repeated."""
+    import actloop.train.trainer as trainer
+
+    real_update = trainer.rl_update
+
+    def update_then_ctrl_c(ctx, scored, group_size):
+        if not getattr(update_then_ctrl_c, "fired", False):
+            update_then_ctrl_c.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_update(ctx, scored, group_size)
+
+    monkeypatch.setattr(trainer, "rl_update", update_then_ctrl_c)
+    args = [a for a in tiny(tmp_path, "interrupted")[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
+                                                                                   "train.beta", "kl."))]
+    said = []
+    res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
+                        progress=False, print_fn=said.append)
+    assert res.summary["stopped"] == {"step": 1, "reason": "SIGINT"}
+    assert any("resume=" in s for s in said)
+    assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [1]
+    res = trainer.train(checkpoint.resume_config(res.run_dir), progress=False, print_fn=said.append)
+    assert "stopped" not in res.summary
+    assert [r["step"] for r in metrics(res.run_dir)] == [1, 2, 3]
+    assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [3]
