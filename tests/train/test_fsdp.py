@@ -78,18 +78,19 @@ def test_unsupported_settings_are_refused_with_the_reason():
 
 @pytest.mark.slow
 def test_two_process_fsdp_update_matches_one_process(tmp_path):
-    """The same fixed batch (2 groups x 4 trajectories): 2 AdamW steps of rl_update in one
-    process, and under torchrun with 2 gloo ranks and FSDP2 (one group each)."""
+    """The same fixed batch (2 groups x 4 trajectories): 2 steps of rl_update in one process, and
+    under torchrun with 2 gloo ranks and FSDP2 (one group each). SGD, so that the weight change is
+    the (clipped) gradient itself."""
     from actloop.train.dist_check import compare, run
 
-    lr = 2e-5
-    args = ["train.micro_batch_size=4", f"train.lr={lr}"]
+    args = ["train.micro_batch_size=4", "train.lr=0.1"]
     threads = torch.get_num_threads()
     try:
-        one = run(args, steps=2, prompts=2, group_size=4, optimizer="adamw")
+        one = run(args, steps=2, prompts=2, group_size=4, optimizer="sgd")
     finally:
         torch.set_num_threads(threads)
-    torchrun(["-m", "actloop.train.dist_check", "--out", str(tmp_path / "two.pt"), *args], cwd=tmp_path)
+    torchrun(["-m", "actloop.train.dist_check", "--out", str(tmp_path / "two.pt"), "--optimizer", "sgd", *args],
+             cwd=tmp_path)
     two = torch.load(tmp_path / "two.pt", weights_only=False)
     assert one["world"] == 1 and two["world"] == 2
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
@@ -99,12 +100,13 @@ def test_two_process_fsdp_update_matches_one_process(tmp_path):
         assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
         assert m2["entropy"] == pytest.approx(m1["entropy"], rel=1e-4)
         assert abs(m2["pg_loss"] - m1["pg_loss"]) < 1e-6
-    # AdamW divides by sqrt(v): where a gradient entry is ~0 its float noise moves the weight by up to
-    # lr; everywhere else the weights agree to float precision (measured: max 2.1e-6, mean 8e-11)
-    diff = torch.cat([(one["state"][k] - two["state"][k]).abs().flatten() for k in one["state"]])
-    assert float(diff.max()) < lr / 4, compare(one, two)
-    assert float((diff > lr / 100).float().mean()) < 1e-4
-    assert float(diff.mean()) < 1e-9
+    assert one["metrics"][0]["grad_norm"] > 1.0  # clipped: the clip used the global (sharded) norm
+    # measured here: max |diff| 5.8e-7 for a max change of 0.023 (2.6e-5 relative), worst tensor 1.9e-3,
+    # mean |diff| 4e-11 -- float noise (gathered weights in other buffers, other summation orders)
+    d = compare(one, two)
+    assert d["max_weight_change"] > 1e-3, d  # the weights moved ...
+    assert d["rel_weight_diff"] < 5e-4 and d["worst_tensor_rel_diff"] < 2e-2, d  # ... the same way
+    assert d["mean_abs_weight_diff"] < 1e-6 * d["max_weight_change"], d
 
 
 @pytest.mark.slow
