@@ -100,7 +100,10 @@ def run_episodes(
                 ep.done = True
             env_ids: list[int] = []
             if not ep.done:
-                env_ids = renderer.continuation_ids(env_messages, ended_with_eos)
+                try:
+                    env_ids = renderer.continuation_ids(env_messages, ended_with_eos)
+                except Exception:  # the environment answered with something that cannot be rendered
+                    ep.error, ep.done, env_messages = _error_text(), True, []
                 if len(ep.ids) + len(comp.token_ids) + len(env_ids) + params.max_new_tokens > max_context:
                     ep.done, env_ids = True, []
             finish = "length" if comp.finish_reason == "length" else (

@@ -88,6 +88,21 @@ def test_env_that_raises_is_recorded_masked_and_counted(tokenizer, renderer, tmp
     assert "tool server down" in lines[0]["traceback"]
 
 
+class BadReplyEnv(ChatEnv):
+    """Answers with something that is not a Message (a bug in the environment)."""
+
+    def step(self, message):
+        return StepResult(["not a message"], False)
+
+
+def test_env_reply_that_cannot_be_rendered_is_an_env_failure(tokenizer, renderer):
+    engine = ScriptedEngine(answer_ids(tokenizer, renderer))
+    trajs = run_episodes(engine, renderer, BadReplyEnv, rows(2), SamplingParams(8), max_turns=3)
+    assert all(t.error and len(t.turns) == 1 for t in trajs)
+    failures = classify(1, Rubric([RewardTerm("constant", constant)]).score(trajs))
+    assert [(f.kind, f.masked) for f in failures] == [("env", True)] * 2
+
+
 def test_garbage_policy_counts_as_parse_and_is_not_masked(tokenizer, renderer):
     junk = tokenizer.encode(" ]]] ;; ]]]", add_special_tokens=False)[:4]
     trajs = run_episodes(ScriptedEngine(junk, "length"), renderer, ChatEnv, rows(4), SamplingParams(4), max_turns=2)
