@@ -5,9 +5,9 @@
     python -m actloop.train.dist_check --compare one.pt two.pt                        # max differences
 
 The batch is built from the tokenizer, not sampled: `prompts` prompts x `group_size` completions
-of different lengths with fixed rewards (every group has reward variance, group g's sequences are
-all shorter than group g+1's, so the one-process micro-batches hold the same trajectories as the
-ranks' micro-batches when micro_batch_size = group_size * prompts / world). `rl_update` runs
+of different lengths with fixed rewards (groups in `--flat` have none to learn from; group g's
+sequences are all shorter than group g+1's, so with micro_batch_size = group_size the one-process
+micro-batches hold the same trajectories as the ranks' micro-batches). `rl_update` runs
 `steps` times on it; rank 0 writes the full weights and each step's update metrics.
 """
 
@@ -28,29 +28,31 @@ from actloop.types import Message, Scored, Trajectory, Turn
 WORDS = "the cat sat on a warm mat and then it slept for most of the long quiet day".split()
 
 
-def fixed_batch(tokenizer, prompts: int, group_size: int) -> list[Scored]:
-    """prompts x group_size scored trajectories; rewards 0, 1, 0.5, 0.25, ... within each group."""
+def fixed_batch(tokenizer, prompts: int, group_size: int, flat: tuple[int, ...] = ()) -> list[Scored]:
+    """prompts x group_size scored trajectories; rewards 0, 1, 0.5, 0.25, ... within each group,
+    except the groups in `flat`, whose rewards are all equal (zero advantage: nothing to train)."""
     out = []
     for g in range(prompts):
-        question = "Count: " + " ".join(WORDS[: 2 + 6 * g])  # later groups: longer prompts, longer sequences
+        question = " ".join(WORDS[: 1 + 4 * g])  # later groups: longer prompts, longer sequences
         prompt_ids = tuple(tokenizer(question, add_special_tokens=False)["input_ids"])  # short: no chat template
         for k in range(group_size):
             ids = tuple(tokenizer(" ".join(WORDS[g : g + 2 + k]), add_special_tokens=False)["input_ids"])
             turn = Turn(Message("assistant", ""), ids, (0.0,) * len(ids), "stop")
-            reward = [0.0, 1.0, 0.5, 0.25, 0.75, 0.1, 0.9, 0.3][k % 8]
+            reward = 1.0 if g in flat else [0.0, 1.0, 0.5, 0.25, 0.75, 0.1, 0.9, 0.3][k % 8]
             out.append(Scored(Trajectory((Message("user", question),), prompt_ids, (turn,)), reward=reward,
                               components={}))
     return out
 
 
-def run(overrides: list[str], steps: int, prompts: int, group_size: int, optimizer: str) -> dict[str, Any] | None:
+def run(overrides: list[str], steps: int, prompts: int, group_size: int, optimizer: str,
+        flat: tuple[int, ...] = ()) -> dict[str, Any] | None:
     cfg = load_config(None, ["train.precision=fp32", "train.threads=1", f"train.prompts_per_step={prompts}",
                              f"train.group_size={group_size}", *overrides])
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
     dist = init_distributed(cfg)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
-    scored = fixed_batch(models.tokenizer, prompts, group_size)
+    scored = fixed_batch(models.tokenizer, prompts, group_size, flat)
     groups = [scored[i : i + group_size] for i in range(0, len(scored), group_size)]
     mine = [s for grp in dist.shard(groups) for s in grp]
     if dist.active and cfg.distributed.fsdp:
@@ -99,13 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="sgd",
                     help="sgd: the weight change is the gradient, so differences show directly (AdamW's "
                          "division by sqrt(v) amplifies float noise where a gradient entry is ~0)")
+    ap.add_argument("--flat", type=int, nargs="*", default=[],
+                    help="groups with all-equal rewards (their rank has fewer micro-batches and pads)")
     ap.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = ap.parse_args(argv)
     if args.compare:
         a, b = (torch.load(p, weights_only=False) for p in args.compare)
         print(compare(a, b))
         return 0
-    res = run(args.overrides, args.steps, args.prompts, args.group_size, args.optimizer)
+    res = run(args.overrides, args.steps, args.prompts, args.group_size, args.optimizer, tuple(args.flat))
     if res is not None and args.out:
         torch.save(res, args.out)
     return 0
