@@ -78,6 +78,33 @@ def common_prefix_len(seqs: list[list[int]]) -> int:
     return n
 
 
+def is_peft(model: Any) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The policy's effective weights under plain-model names: for a peft LoRA model, each
+    adapted layer's base weight plus its active adapters' delta (`get_delta_weight`)."""
+    if not is_peft(model):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    out = {}
+    for name, t in base.state_dict().items():
+        if ".lora_" in name:  # adapter matrices: folded in below
+            continue
+        out[name.replace(".base_layer.", ".")] = t
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer) and not getattr(mod, "merged", False):
+            w = mod.get_base_layer().weight
+            for adapter in mod.active_adapters:
+                if adapter in mod.lora_A:
+                    w = w + mod.get_delta_weight(adapter)
+            out[f"{name}.weight"] = w
+    return out
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (token [B], log-prob [B]) under softmax(logits / T), nucleus-filtered."""
     logits = logits.float()
@@ -103,8 +130,10 @@ class HFEngine:
     weights="copy" keeps the engine's own bf16 (or fp32) copy of the policy, refreshed by
     `sync_weights` after each update — decode is faster without autocast's per-step casts, and
     the engine's log-probs then differ slightly from the trainer's (the mismatch the
-    importance-sampling correction measures). weights="live" samples from the trainer's module
-    itself (LoRA adapters, or exactness in tests).
+    importance-sampling correction measures). A LoRA (peft) policy is copied with its adapter
+    merged into plain weights (W + scale * B A), re-merged at each sync, so decode pays neither
+    the adapter's extra matmuls nor autocast's casts of the frozen base weights.
+    weights="live" samples from the trainer's module itself (exactness in tests).
     """
 
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: tuple[int, ...], stop_strings=(),
@@ -118,6 +147,8 @@ class HFEngine:
         self.model = model
         if weights == "copy":
             self.model = copy.deepcopy(model).eval()
+            if is_peft(self.model):
+                self.model = self.model.merge_and_unload()
             if use_bf16(precision):
                 self.model.to(torch.bfloat16)
             for p in self.model.parameters():
@@ -129,7 +160,7 @@ class HFEngine:
     def sync_weights(self, model: Any) -> None:
         if self.weights == "live":
             return
-        src = model.state_dict()
+        src = merged_state_dict(model)
         for name, t in self.model.state_dict().items():
             t.copy_(src[name])
 

@@ -80,3 +80,46 @@ def test_common_prefix_and_sampling():
     assert 0.45 < tok.float().mean() < 0.55 and torch.allclose(lp, torch.full((2000,), -0.6931), atol=1e-4)
     tok, _ = sample_next(torch.tensor([[5.0, 4.0, -5.0]]).repeat(500, 1), SamplingParams(top_p=0.5))
     assert set(tok.tolist()) == {0}  # nucleus keeps only the top token here
+
+
+def _tiny_lora():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                               "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)  # peft starts B at 0 (delta 0): make the adapter matter
+    return model
+
+
+def _engine_vs_trainer(policy, engine, prompts):
+    torch.manual_seed(1)
+    comps = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0))
+    seqs = [p + list(c.token_ids) for p, c in zip(prompts, comps)]
+    masks = [[0] * len(p) + [1] * len(c.token_ids) for p, c in zip(prompts, comps)]
+    with torch.no_grad():
+        out = token_logprobs(policy, seqs, masks, 1.0, "fp32")
+    return max(float((torch.tensor(c.logprobs) - out.logp[i][out.mask[i]]).abs().max()) for i, c in enumerate(comps))
+
+
+def test_lora_engine_copy_is_the_merged_policy_and_follows_sync():
+    from peft.tuners.lora import LoraLayer
+
+    policy = _tiny_lora()
+    engine = HFEngine(policy, None, eos_token_ids=(), precision="fp32", weights="copy")
+    assert not any(isinstance(m, LoraLayer) for m in engine.model.modules())  # plain layers, adapter merged
+    prompts = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 1, 2]]
+    assert _engine_vs_trainer(policy, engine, prompts) < 1e-4
+    with torch.no_grad():  # an "update": only the adapter moves
+        for n, p in policy.named_parameters():
+            if "lora_" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    assert _engine_vs_trainer(policy, engine, prompts) > 1e-3  # stale until synced
+    engine.sync_weights(policy)
+    assert _engine_vs_trainer(policy, engine, prompts) < 1e-4
