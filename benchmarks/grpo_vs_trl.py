@@ -14,9 +14,10 @@ r 16, alpha 32, dropout 0, all attention and MLP projections).
 
 Each (framework, mode, repeat) runs in its own child process, so neither warms the other's
 caches and each reports its own peak RSS; TRL and actloop alternate back to back (the order
-flips every repeat), because this box is shared and its load drifts. Seconds per step exclude
-the first (warm-up) step of each run: TRL's are the intervals between `on_step_end` callbacks,
-actloop's the `step_s` of its metrics (rollout + scoring + update + weight sync).
+flips every repeat), because this box is shared and its load drifts. A step is the interval
+between two step ends — TRL's `on_step_end` callback, actloop's metrics line landing — so the
+first (warm-up) step is excluded for both; each is reported as wall seconds and as process CPU
+seconds (steadier under a neighbour's load; with 1 thread, the wall time on an idle core).
 
     python benchmarks/grpo_vs_trl.py                       # full FT and LoRA, 2 x 4, 64 tokens
     python benchmarks/grpo_vs_trl.py --mode full --repeats 2 --steps 4 --threads 2
@@ -35,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +88,36 @@ def peak_rss_mb() -> float:
 
 # ---------------------------------------------------------------------------------------- children
 
+def now() -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds): on a shared box the CPU time is the steadier
+    measure of the work a step does; with 1 thread it is the time the step would take alone."""
+    return time.perf_counter(), time.process_time()
+
+
+class StepClock(threading.Thread):
+    """Stamps `now()` each time a line is appended to a metrics file (polled every 20 ms)."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path, self.ends, self.done = path, [], threading.Event()
+
+    def run(self):
+        size, lines = -1, 0
+        while not self.done.wait(0.02):
+            try:
+                st = self.path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if st != size:
+                size, n = st, self.path.read_text().count("\n")
+                self.ends += [now()] * (n - lines)
+                lines = n
+
+    def stop(self):
+        self.done.set()
+        self.join()
+
+
 def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
     from actloop.config import load_config
     from actloop.train.trainer import train
@@ -101,12 +133,17 @@ def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
         f"lora.enabled={str(a.mode == 'lora').lower()}", f"seed={a.seed}", f"output_dir={out_dir}", "run_name=actloop",
     ] + (["train.gradient_checkpointing=true"] if a.gradient_checkpointing else []) + list(a.actloop_override)
     cfg = load_config(None, overrides)
-    res = train(cfg, progress=False, print_fn=lambda *_: None)
+    clock = StepClock(out_dir / "actloop" / "metrics.jsonl")  # a step ends when its metrics line lands
+    clock.start()
+    try:
+        res = train(cfg, progress=False, print_fn=lambda *_: None)
+    finally:
+        clock.stop()
     with open(res.run_dir / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     keys = ("rollout_s", "update_s", "peak_mem_mb", "trained_trajectories", "response_tokens")
     print("PARTS " + json.dumps([{k: r.get(k) for k in keys} for r in recs]), file=sys.stderr, flush=True)
-    return [r["step_s"] for r in recs]
+    return clock.ends
 
 
 def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
@@ -142,19 +179,19 @@ def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
         log_completions=False, dataloader_num_workers=0,
         gradient_checkpointing=a.gradient_checkpointing,  # TRL's default is on; actloop's off: match
     )
-    ends: list[float] = []
+    ends: list[tuple[float, float]] = []
 
-    class StepClock(TrainerCallback):
+    class Clock(TrainerCallback):
         def on_train_begin(self, *_, **__):
-            ends.append(time.perf_counter())
+            ends.append(now())
 
         def on_step_end(self, *_, **__):
-            ends.append(time.perf_counter())
+            ends.append(now())
 
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=args, train_dataset=data,
-                          processing_class=tok, peft_config=peft_config, callbacks=[StepClock()])
+                          processing_class=tok, peft_config=peft_config, callbacks=[Clock()])
     trainer.train()
-    return [b - a_ for a_, b in zip(ends, ends[1:])]
+    return ends[1:]  # step ends only, as for actloop
 
 
 def child(a) -> None:
@@ -164,9 +201,11 @@ def child(a) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         rows = write_rows(Path(tmp) / "rows.jsonl", max(64, a.prompts * a.steps * 2))
         fn = run_trl if a.child == "trl" else run_actloop
-        steps = fn(a, rows, Path(tmp) / "out")
-    print("RESULT " + json.dumps({"framework": a.child, "mode": a.mode, "step_s": steps, "peak_rss_mb": peak_rss_mb()}),
-          flush=True)
+        ends = fn(a, rows, Path(tmp) / "out")  # the end of each step: intervals are steps 2..n
+    wall = [b[0] - a_[0] for a_, b in zip(ends, ends[1:])]
+    cpu = [b[1] - a_[1] for a_, b in zip(ends, ends[1:])]
+    print("RESULT " + json.dumps({"framework": a.child, "mode": a.mode, "step_s": wall, "cpu_s": cpu,
+                                  "peak_rss_mb": peak_rss_mb()}), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ parent
@@ -189,10 +228,10 @@ def launch(a, framework: str, mode: str) -> dict:
     if p.returncode != 0 or not lines:
         sys.exit(f"{framework}/{mode} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
-    steady = r["step_s"][1:] or r["step_s"]  # the first step is warm-up
-    r["s_per_step"] = statistics.mean(steady)
-    print(f"  {framework:7s} {mode:4s} {r['s_per_step']:6.2f} s/step  steps {[round(s, 2) for s in r['step_s']]}  "
-          f"peak RSS {r['peak_rss_mb']:.0f} MB  ({time.time() - t0:.0f} s wall)", file=sys.stderr, flush=True)
+    r["s_per_step"], r["cpu_per_step"] = statistics.mean(r["step_s"]), statistics.mean(r["cpu_s"])
+    print(f"  {framework:7s} {mode:4s} {r['s_per_step']:6.2f} s/step wall, {r['cpu_per_step']:6.2f} CPU  "
+          f"steps {[round(x, 1) for x in r['step_s']]}  peak RSS {r['peak_rss_mb']:.0f} MB  "
+          f"({time.time() - t0:.0f} s wall)", file=sys.stderr, flush=True)
     return r
 
 
@@ -228,17 +267,20 @@ def main(argv=None) -> None:
                 results.setdefault((fw, mode), []).append(launch(a, fw, mode))
 
     print(f"\nGRPO, {a.prompts} prompts x {a.group} samples, {a.max_new_tokens} new tokens, {a.precision}, "
-          f"{a.threads} threads, beta {a.beta}, {a.steps} steps (first excluded), median of {a.repeats} run(s)\n")
-    cols = " | ".join(f"{fw} s/step | {fw} peak RSS MB" for fw in frameworks)
-    print(f"| mode | {cols} |" + (" actloop speed-up (TRL s / actloop s) |" if len(frameworks) == 2 else ""))
-    print("|---" * (1 + 2 * len(frameworks) + (len(frameworks) == 2)) + "|")
+          f"{a.threads} thread(s), beta {a.beta}, {a.steps} steps (the first excluded), median of {a.repeats} "
+          "run(s); wall = seconds per step, CPU = process CPU seconds per step\n")
+    cols = " | ".join(f"{fw} wall | {fw} CPU | {fw} peak RSS MB" for fw in frameworks)
+    two = len(frameworks) == 2
+    print(f"| mode | {cols} |" + (" speed-up wall (TRL / actloop) | speed-up CPU |" if two else ""))
+    print("|---" * (1 + 3 * len(frameworks) + 2 * two) + "|")
     for mode in modes:
-        cells, s = [], {}
+        cells, w, c = [], {}, {}
         for fw in frameworks:
             rs = results[(fw, mode)]
-            s[fw] = statistics.median(r["s_per_step"] for r in rs)
-            cells.append(f"{s[fw]:.2f} | {statistics.median(r['peak_rss_mb'] for r in rs):.0f}")
-        ratio = f" {s['trl'] / s['actloop']:.2f}x |" if len(frameworks) == 2 else ""
+            w[fw] = statistics.median(r["s_per_step"] for r in rs)
+            c[fw] = statistics.median(r["cpu_per_step"] for r in rs)
+            cells.append(f"{w[fw]:.2f} | {c[fw]:.2f} | {statistics.median(r['peak_rss_mb'] for r in rs):.0f}")
+        ratio = f" {w['trl'] / w['actloop']:.2f}x | {c['trl'] / c['actloop']:.2f}x |" if two else ""
         print(f"| {'full fine-tuning' if mode == 'full' else 'LoRA'} | {' | '.join(cells)} |{ratio}")
 
 
