@@ -36,7 +36,7 @@ from actloop.train.evaluate import evaluate
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics
 from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
-from actloop.train.distributed import init_distributed
+from actloop.train.distributed import init_distributed, launched_by_torchrun
 from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
 
@@ -166,6 +166,9 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     """Run `cfg.algo`: the online RL loop below, or the offline trainers (dpo, sft)."""
     if cfg.algo in OFFLINE_TRAINERS:
         import importlib
+
+        if launched_by_torchrun():  # each rank would run its own copy into the same run directory
+            raise ConfigError(f"algo={cfg.algo} runs in one process; launch it without torchrun")
 
         if cfg.resume:
             raise ConfigError(f"resume is for the online algorithms (grpo, rloo, reinforce_pp, ppo), not {cfg.algo}")
