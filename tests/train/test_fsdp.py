@@ -73,6 +73,15 @@ def test_unsupported_settings_are_refused_with_the_reason():
             check_supported(load_config(None, [override]), 2)
 
 
+def test_offline_algorithms_refuse_torchrun(monkeypatch):
+    from actloop.train.trainer import train
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="without torchrun"):
+        train(load_config(None, ["algo=sft"]))
+
+
 # ---- two processes on the embedded model ------------------------------------------------------
 
 
