@@ -176,6 +176,12 @@ class TrainConfig:
     )
     eval_before: bool = opt(True, "Evaluate greedy success on the held-out split before training.")
     eval_after: bool = opt(True, "Evaluate greedy success on the held-out split after training.")
+    eval_every: int = opt(
+        5,
+        "Every N steps, evaluate greedy success on the first train.eval_every_rows held-out rows and log it as "
+        "`eval_success` (the reward-hacking alarm compares it with the training reward); 0 = off.",
+    )
+    eval_every_rows: int = opt(50, "Held-out rows of the periodic evaluation (0 = all of them).")
     save_final: bool = opt(True, "Save the final model (and tokenizer) to RUN_DIR/final.")
     threads: int = opt(0, "torch CPU threads (0 = torch's default).")
     gradient_checkpointing: bool = opt(

@@ -96,8 +96,11 @@ def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSam
         if n <= 0:
             break
         rows = sampler.next(n)
-        trajs = run_episodes(engine, renderer, task.make_env, [r for r in rows for _ in range(G)], sampling,
-                             cfg.rollout.max_turns)
+        episode_rows = [r for r in rows for _ in range(G)]
+        if hasattr(engine, "run_episodes"):  # Ray: whole episodes, environment steps too, run on the workers
+            trajs = engine.run_episodes(episode_rows, sampling, cfg.rollout.max_turns)
+        else:
+            trajs = run_episodes(engine, renderer, task.make_env, episode_rows, sampling, cfg.rollout.max_turns)
         t0 = time.time()
         scored = shape_rewards(cfg, task.rubric.score(trajs))
         scoring_s += time.time() - t0
@@ -302,12 +305,15 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         }, keep=cfg.checkpoint.keep)
         totals["checkpoint_seconds"] += time.time() - t
 
-    def run_eval(label: str) -> None:
+    def run_eval(label: str, rows: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
         if not dist.is_main:  # rank 0 evaluates; the others wait for it at the next collective
-            return
-        res = evaluate(engine, renderer, task, task.eval_rows, cfg.rollout.max_new_tokens, cfg.rollout.max_turns)
-        summary[label] = res
+            return None
+        res = evaluate(engine, renderer, task, rows if rows is not None else task.eval_rows,
+                       cfg.rollout.max_new_tokens, cfg.rollout.max_turns)
+        if rows is None:
+            summary[label] = res
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
+        return res
 
     if ckpt is None and cfg.train.eval_before and task.eval_rows:
         run_eval("eval_before")
@@ -358,6 +364,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 step_s=round(t3 - t0, 3),
                 gen_tokens_per_s=round(new_tokens / max(t1 - t0, 1e-9), 1),
             )
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and task.eval_rows:
+                # greedy (no random numbers drawn), so a resumed run stays identical
+                res = run_eval(f"eval at step {step}", task.eval_rows[: cfg.train.eval_every_rows or None])
+                if res is not None:
+                    record.update(eval_success=res["success"], eval_s=round(res["seconds"], 3))
             monitor.log_step(record, scored)
             failure_log.write(failures)
             for f in failures:
