@@ -29,12 +29,14 @@ def finite_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_train_calculator_tiny(tmp_path):
-    out = run_cli("train", *TINY, f"output_dir={tmp_path}", "run_name=calc")
+    out = run_cli("train", *TINY, "train.eval_every=2", "train.eval_every_rows=2", f"output_dir={tmp_path}", "run_name=calc")
     run_dir = tmp_path / "calc"
     assert f"run directory: {run_dir}" in out.replace("\n", "") or str(run_dir) in out
     assert (run_dir / "config.yaml").exists()
     lines = finite_metrics(run_dir)
     assert [r["step"] for r in lines] == [1, 2]
+    # the periodic held-out eval (train.eval_every=2) lands on step 2 only
+    assert "eval_success" not in lines[0] and 0.0 <= lines[1]["eval_success"] <= 1.0
     for key in ["reward_mean", "reward_std", "success", "kl", "entropy", "clip_frac", "grad_norm", "response_tokens",
                 "tool_tokens", "tool_calls_per_episode", "malformed_call_rate", "rollout_s", "scoring_s", "update_s",
                 "reward/correct"]:
