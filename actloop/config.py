@@ -272,7 +272,9 @@ class MonitorConfig:
     alarms: bool = opt(True, "Watch the metrics for trouble; an alarm prints once per episode and goes to alarms.jsonl.")
     window: int = opt(5, "Steps per alarm window: the baseline is the first `window` steps, trends compare windows.")
     rearm_steps: int = opt(2, "Steps a condition must stay clear before its alarm can fire again.")
-    entropy_collapse_ratio: float = opt(0.25, "Alarm when entropy falls below this fraction of its baseline.")
+    entropy_collapse_ratio: float = opt(
+        0.1, "Alarm when entropy falls below this fraction of its baseline (a healthy calculator run fell to 0.23x)."
+    )
     kl_max: float = opt(0.5, "Alarm when the KL to the reference (per token) exceeds this.")
     grad_spike_ratio: float = opt(5.0, "Alarm when grad_norm exceeds this multiple of the previous window's median.")
     length_ratio: float = opt(2.0, "Alarm when response tokens per episode exceed this multiple of the baseline.")
