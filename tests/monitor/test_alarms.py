@@ -59,7 +59,7 @@ def test_hysteresis_state_machine():
 # Each case: (alarm, override(step) making steps 20-24 and 40-44 troubled). Expected: fires at
 # 20 (or when the detector's window first sees it), not again during the episode, again at 40.
 CASES = {
-    "entropy_collapse": lambda s: {"entropy": 0.1} if 20 <= s < 25 or 40 <= s < 45 else {},
+    "entropy_collapse": lambda s: {"entropy": 0.05} if 20 <= s < 25 or 40 <= s < 45 else {},
     "kl_blowup": lambda s: {"kl": 3.0} if 20 <= s < 25 or 40 <= s < 45 else {},
     "grad_norm_spike": lambda s: {"grad_norm": 40.0} if s in (20, 40) else {},
     "length_blowup": lambda s: {"response_tokens_per_episode": 200} if 20 <= s < 25 or 40 <= s < 45 else {},
