@@ -108,7 +108,7 @@ def test_a_failing_part_never_stops_the_step(cfg, tmp_path):
 
 def test_resume_from_state_dict_continues_identically(cfg, tmp_path):
     def recs():
-        return [record(s, entropy=1.0 if s < 8 else 0.1, kl=3.0 if s in (4, 5) else 0.01) for s in range(1, 11)]
+        return [record(s, entropy=1.0 if s < 8 else 0.05, kl=3.0 if s in (4, 5) else 0.01) for s in range(1, 11)]
 
     one = Monitor(cfg, tmp_path / "one", print_fn=lambda _: None)
     full = [(r, [a.name for a in one.log_step(r, batch(r["step"]))]) for r in recs()]
