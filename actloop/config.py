@@ -188,7 +188,7 @@ class TrainConfig:
         False, "Recompute each decoder layer's activations in the backward pass: less memory, ~30% more compute."
     )
     logits_chunk: int = opt(
-        4096, "Loss positions per lm_head + log-softmax chunk, recomputed in the backward (0 = all [N, vocab] "
+        1024, "Loss positions per lm_head + log-softmax chunk, recomputed in the backward (0 = all [N, vocab] "
         "logits at once, kept for the backward)."
     )
     attn_implementation: str = opt(

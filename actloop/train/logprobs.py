@@ -121,7 +121,7 @@ def prefix_plan(seqs: list[list[int]], masks: list[list[int]]) -> tuple[list[int
 
 def token_logprobs(model, seqs: list[list[int]], masks: list[list[int]], temperature: float = 1.0,
                    precision: str = "auto", share_prefix: bool = True, return_hidden: bool = False,
-                   chunk: int = 4096, checkpointing: bool = False) -> TokenLogprobs:
+                   chunk: int = 1024, checkpointing: bool = False) -> TokenLogprobs:
     """seqs[i] = full token ids of trajectory i, masks[i] its loss mask (same length)."""
     backbone, head = backbone_and_head(model)
     h, tgt, sel, (B, S), tmask = hidden_at_targets(backbone, seqs, masks, precision, share_prefix, checkpointing)
@@ -132,7 +132,7 @@ def token_logprobs(model, seqs: list[list[int]], masks: list[list[int]], tempera
 
 
 def head_logprobs(head, h: torch.Tensor, tgt: torch.Tensor, temperature: float = 1.0, precision: str = "auto",
-                  chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], targets [N] -> (log-prob of each target under softmax(head(h) / T) [N], with
     gradient; entropy of that distribution [N], detached).
 
@@ -169,13 +169,14 @@ class ChunkedHeadLogprob(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)  # softmax maths: fp32 (fp64 in tests)
         lp, ent, lse = (torch.empty(h.shape[0], device=h.device, dtype=acc) for _ in range(3))
         p = None
-        for s in range(0, h.shape[0], step):
-            z = (h[s : s + step].to(dtype) @ w.T).to(acc) / temperature  # [c, V]
+        for s in range(0, h.shape[0], step):  # at most two [c, V] floats alive: z and p
+            z = (h[s : s + step].to(dtype) @ w.T).to(acc).div_(temperature)  # [c, V]
             lse_c = torch.logsumexp(z, -1)
-            p = torch.exp(z - lse_c[:, None])
+            p = (z - lse_c[:, None]).exp_()
             lse[s : s + step] = lse_c
             lp[s : s + step] = z.gather(-1, tgt[s : s + step, None]).squeeze(-1) - lse_c
-            ent[s : s + step] = lse_c - (p * z).sum(-1)
+            ent[s : s + step] = lse_c - torch.einsum("cv,cv->c", p, z)  # no [c, V] product
+            del z
         keep = h.shape[0] <= step and p is not None
         ctx.save_for_backward(h, weight, tgt, lse, *([p] if keep else []))
         ctx.temperature, ctx.step, ctx.dtype = temperature, step, dtype
@@ -194,8 +195,8 @@ class ChunkedHeadLogprob(torch.autograd.Function):
             hc = h[s : s + step].to(dtype)
             if kept:
                 g = kept[0].neg()  # -softmax
-            else:
-                g = torch.exp((hc @ w.T).to(lse.dtype) / T - lse[s : s + step, None]).neg_()
+            else:  # recomputed in place: one [c, V] float buffer
+                g = (hc @ w.T).to(lse.dtype).div_(T).sub_(lse[s : s + step, None]).exp_().neg_()
             g.scatter_add_(-1, tgt[s : s + step, None], torch.ones_like(lse[s : s + step, None]))
             g.mul_(grad_lp[s : s + step, None] / T)
             g = g.to(dtype)
