@@ -3,6 +3,7 @@ checkpoint and exit; a second one aborts at once (KeyboardInterrupt)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Callable
@@ -23,8 +24,17 @@ class GracefulStop:
         if self.requested is not None:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting without a checkpoint")
         self.requested = signal.Signals(signum).name
-        self.print_fn(f"{self.requested}: finishing this step, then a checkpoint and a clean exit "
-                      "(press Ctrl-C again to abort at once)")
+        msg = (f"{self.requested}: finishing this step, then a checkpoint and a clean exit "
+               "(press Ctrl-C again to abort at once)")
+        try:
+            self.print_fn(msg)
+        except Exception:  # noqa: BLE001 — the handler runs between any two bytecodes of the loop:
+            # a print that lands inside another write to the same stream raises "reentrant call";
+            # letting that escape would crash the step the signal asked to finish
+            try:
+                os.write(2, (msg + "\n").encode())
+            except OSError:
+                pass
 
     def __enter__(self) -> GracefulStop:
         if self.enabled and threading.current_thread() is threading.main_thread():

@@ -207,6 +207,22 @@ def test_graceful_stop_first_signal_asks_second_aborts():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the old handler is back
 
 
+def test_graceful_stop_survives_a_print_that_raises_in_the_handler(capfd):
+    """The handler runs between any two bytecodes of the loop: a print that lands inside another
+    write to the same stream raises RuntimeError("reentrant call ..."). The stop must still be
+    requested, and nothing may escape into the step it asked to finish."""
+    from actloop.train.interrupt import GracefulStop
+
+    def reentrant(msg):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+    with GracefulStop(reentrant) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested == "SIGTERM"
+    assert "finishing this step" in capfd.readouterr().err
+
+
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch):
     """In-process: SIGINT during step 1's update; the step finishes, a checkpoint is written, the
