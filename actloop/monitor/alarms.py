@@ -87,16 +87,29 @@ def entropy_collapse(history: History, cfg) -> Check | None:
     return Check(v[-1] < thr, v[-1], thr, f"entropy {v[-1]:.4g} < {cfg.entropy_collapse_ratio:g} x baseline {base:.4g}")
 
 
+def _latest(history: History, key: str) -> float | None:
+    """The newest number under `key`, inf and nan included: an overflowing update logs them."""
+    for r in reversed(history):
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
 def kl_blowup(history: History, cfg) -> Check | None:
-    """KL to the reference above `kl_max`."""
-    v = _values(history, "kl")
-    if not v:
+    """KL to the reference above `kl_max`, or not a finite number."""
+    last = _latest(history, "kl")
+    if last is None:
         return None
-    return Check(v[-1] > cfg.kl_max, v[-1], cfg.kl_max, f"KL {v[-1]:.4g} > {cfg.kl_max:g}")
+    return Check(not math.isfinite(last) or last > cfg.kl_max, last, cfg.kl_max, f"KL {last:.4g} > {cfg.kl_max:g}")
 
 
 def grad_norm_spike(history: History, cfg) -> Check | None:
-    """grad_norm above `grad_spike_ratio` x the median of the previous window (3+ steps)."""
+    """grad_norm above `grad_spike_ratio` x the median of the previous window (3+ steps), or
+    not a finite number (at any step)."""
+    last = _latest(history, "grad_norm")
+    if last is not None and not math.isfinite(last):
+        return Check(True, last, math.inf, f"grad_norm {last:.4g}: the gradient overflowed")
     v = _values(history, "grad_norm")
     prev = v[-1 - cfg.window : -1]
     if len(prev) < min(3, cfg.window):

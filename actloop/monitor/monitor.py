@@ -108,7 +108,9 @@ class Monitor:
 
     def _alarms(self, record: dict[str, Any]) -> list[Alarm]:
         keep = set(ALARM_KEYS) | set(self.mcfg.heldout_keys)
-        self.history.append({k: v for k, v in numeric(drop_idle_updates(record)).items() if k in keep})
+        # numbers, inf and nan included (an overflowing update is what the KL and gradient alarms are for)
+        self.history.append({k: float(v) for k, v in drop_idle_updates(record).items()
+                             if k in keep and isinstance(v, (int, float)) and not isinstance(v, bool)})
         fired, self.alarm_states = step_alarms(self.history, self.mcfg, self.alarm_states)
         for a in fired:
             self.print(str(a))

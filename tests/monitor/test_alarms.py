@@ -120,7 +120,7 @@ def test_judge_agreement_counts_as_a_heldout_signal():
 
 
 def test_missing_keys_and_tiny_runs_do_not_crash_or_fire():
-    assert replay([{"step": 1}, {"step": 2, "entropy": "nan"}, {"step": 3, "kl": float("nan")}]) == []
+    assert replay([{"step": 1}, {"step": 2, "entropy": "nan"}, {"step": 3, "kl": "nan"}]) == []  # strings: no number
     for det in DETECTORS.values():
         assert det([], MonitorConfig()) is None
     assert replay(run(2)) == []
@@ -147,3 +147,21 @@ def test_steps_that_trained_nothing_do_not_count_as_entropy_collapse(cfg, tmp_pa
         fired += mon.log_step(rec, make_batch([0.0, 1.0]))
     assert fired == []
     assert [h.get("entropy") for h in mon.history[:3]] == [1.0, None, 1.0]
+
+
+def test_non_finite_kl_or_grad_norm_is_a_blowup(cfg, tmp_path):
+    # an overflowing update logs kl=inf and grad_norm=nan: the worst spike there is, not a gap
+    from actloop.monitor.monitor import Monitor
+
+    from .conftest import make_batch, record
+
+    recs = run(8, lambda s: {"kl": float("inf"), "grad_norm": float("nan")} if s == 7 else {})
+    assert replay(recs) == [(7, "kl_blowup"), (7, "grad_norm_spike")]
+    said = []
+    mon = Monitor(cfg, tmp_path, print_fn=said.append)
+    fired = []
+    for s in range(1, 9):
+        bad = {"kl": float("inf"), "grad_norm": float("nan")} if s == 7 else {}
+        fired += [(a.step, a.name) for a in mon.log_step(record(s, **bad), make_batch([0.0, 1.0]))]
+    assert fired == [(7, "kl_blowup"), (7, "grad_norm_spike")]
+    assert any("KL inf" in m for m in said) and any("grad_norm nan" in m for m in said)
