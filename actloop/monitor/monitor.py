@@ -21,7 +21,7 @@ from actloop.monitor.alarms import Alarm, drop_idle_updates, step_alarms
 from actloop.monitor.costs import CostMonitor
 from actloop.monitor.metrics import JsonlSink
 from actloop.monitor.samples import pick, sample_record
-from actloop.monitor.sinks import Guarded, numeric, optional_sinks
+from actloop.monitor.sinks import Guarded, optional_sinks
 from actloop.types import Scored
 
 # the keys the alarm detectors read; the history kept for them (and checkpointed) holds only these
