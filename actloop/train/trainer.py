@@ -321,7 +321,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         checkpoint.set_rng_state(state["rng"])
 
     bar = _progress(cfg.train.steps, progress)
-    stop_msg, last = None, start - 1
+    stop_msg, requested, last = None, None, start - 1
     with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar:
         task_id = bar.add_task("train", total=cfg.train.steps, completed=start - 1, reward=0.0, success=0.0)
         for step in range(start, cfg.train.steps + 1):
@@ -377,11 +377,14 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             totals["step_seconds"].append(t3 - t0)
             last = step
             bar.update(task_id, advance=1, reward=record["reward_mean"], success=record["success"])
+            # read once: a signal landing after this read is handled at the next step's end (never a
+            # stop without a checkpoint); every rank stops at the same step (torchrun signals each rank)
+            requested = dist.first(stop.requested)
             every = cfg.checkpoint.every
-            if ((every and step % every == 0) or stop_msg or stop.requested
+            if ((every and step % every == 0) or stop_msg or requested
                     or (step == cfg.train.steps and cfg.checkpoint.at_end)):
                 save_checkpoint(step)
-            if stop_msg or stop.requested:
+            if stop_msg or requested:
                 break
 
     monitor.close()
@@ -394,12 +397,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
     if totals["reward_errors"]:
         summary["reward_errors"] = totals["reward_errors"]
-    if stop_msg or stop.requested:
-        summary["stopped"] = {"step": last, "reason": stop_msg or stop.requested}
+    if stop_msg or requested:
+        summary["stopped"] = {"step": last, "reason": stop_msg or requested}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if stop_msg:
             raise RunAborted(stop_msg)
-        print_fn(f"stopped after step {last} ({stop.requested}); continue with `actloop train resume={run_dir}`")
+        print_fn(f"stopped after step {last} ({requested}); continue with `actloop train resume={run_dir}`")
         return RunResult(run_dir, summary)
     summary.pop("stopped", None)
     if start > cfg.train.steps:

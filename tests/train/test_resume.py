@@ -250,3 +250,35 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch)
     assert "stopped" not in res.summary
     assert [r["step"] for r in metrics(res.run_dir)] == [1, 2, 3]
     assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [3]
+
+
+@pytest.mark.slow
+def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoint(tmp_path, monkeypatch):
+    """The loop must read the stop flag once per step: a SIGTERM that arrives between "no
+    checkpoint this step" and "stop now?" used to stop the run with no checkpoint of its last
+    step (none at all with checkpoint.every=0) while telling the user to resume."""
+    import actloop.train.trainer as trainer
+    from actloop.train.interrupt import GracefulStop
+
+    class LateSigterm(GracefulStop):
+        """The first read of `requested` sees nothing; the signal lands right after it."""
+
+        reads = 0
+
+        @property
+        def requested(self):
+            LateSigterm.reads += 1
+            return None if LateSigterm.reads == 1 else "SIGTERM"
+
+        @requested.setter
+        def requested(self, value):
+            pass
+
+    monkeypatch.setattr(trainer, "GracefulStop", LateSigterm)
+    args = [a for a in tiny(tmp_path, "late")[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
+                                                                            "train.beta", "kl."))]
+    res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
+                        progress=False, print_fn=lambda *_: None)
+    stopped = res.summary["stopped"]
+    assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [stopped["step"]]
+    assert stopped == {"step": 2, "reason": "SIGTERM"}  # step 1 read "nothing", step 2 the signal
