@@ -341,9 +341,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                 scheduler.step()
             dist.sync_engine(engine, models.policy)  # FSDP: the gathered full weights
-            # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target)
-            ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon,
-                                                    len(scored) * dist.world)
+            # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target); a step that
+            #    trained nothing (all masked) measured no KL: its 0.0 is a placeholder, beta stays
+            if upd.get("trained_trajectories", 1):
+                ctx.beta = KL_CONTROLLERS[cfg.kl.controller](ctx.beta, upd["kl"], cfg.kl.target, cfg.kl.horizon,
+                                                        len(scored) * dist.world)
             t3 = time.time()
             # 4. log: metrics, failures (failures.jsonl), then a checkpoint
             failures = classify(step, seen, task.rubric.errors[errors0:])

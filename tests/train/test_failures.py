@@ -276,7 +276,9 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
     assert rec["failures/parse"] == 4 and rec["failures/masked"] == 0 and rec["trained_trajectories"] > 0
     assert res.summary["failures"] == {"parse": 4}
 
+    # adaptive KL: a step with nothing to train measured no KL, so beta must not move
     cfg = load_config(None, base + ["train.steps=5", "run_name=broken", "failures.max_bad_steps=2",
+                                    "train.beta=0.1", "kl.controller=adaptive", "kl.horizon=10",
                                     f"reward.funcs=[{tmp_path / 'rewards.py'}:broken]"])
     with pytest.raises(RunAborted, match="stopping at step 2: 2 consecutive steps .* reward 4"):
         train(cfg, **quiet)
@@ -285,6 +287,7 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
     assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
         assert r["failures/reward"] == 4 and r["failures/masked"] == 4 and r["trained_trajectories"] == 0
+        assert r["beta"] == 0.1, r["beta"]  # was 0.092 at step 2: the controller read the unmeasured KL as 0
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
     logged = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
     assert len(logged) == 8 and all("grader crashed" in f["traceback"] for f in logged)
