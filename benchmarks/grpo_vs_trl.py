@@ -79,13 +79,6 @@ def write_rows(path: Path, n: int) -> Path:
     return path
 
 
-def peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 # ---------------------------------------------------------------------------------------- children
 
 def now() -> tuple[float, float]:
@@ -143,7 +136,9 @@ def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
         recs = [json.loads(line) for line in f]
     keys = ("rollout_s", "update_s", "peak_mem_mb", "trained_trajectories", "response_tokens")
     print("PARTS " + json.dumps([{k: r.get(k) for k in keys} for r in recs]), file=sys.stderr, flush=True)
-    return clock.ends
+    # actloop resets the RSS high-water mark after every update (its per-step peak_mem_mb), so the
+    # process peak is the largest step window, not the VmHWM left at the end
+    return clock.ends, max(r["peak_mem_mb"] for r in recs)
 
 
 def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
@@ -191,7 +186,9 @@ def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=args, train_dataset=data,
                           processing_class=tok, peft_config=peft_config, callbacks=[Clock()])
     trainer.train()
-    return ends[1:]  # step ends only, as for actloop
+    from actloop.train.memory import rss_peak_mb
+
+    return ends[1:], rss_peak_mb()  # step ends only, as for actloop; TRL never resets VmHWM
 
 
 def child(a) -> None:
@@ -201,11 +198,11 @@ def child(a) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as tmp:
         rows = write_rows(Path(tmp) / "rows.jsonl", max(64, a.prompts * a.steps * 2))
         fn = run_trl if a.child == "trl" else run_actloop
-        ends = fn(a, rows, Path(tmp) / "out")  # the end of each step: intervals are steps 2..n
+        ends, peak = fn(a, rows, Path(tmp) / "out")  # the end of each step: intervals are steps 2..n
     wall = [b[0] - a_[0] for a_, b in zip(ends, ends[1:])]
     cpu = [b[1] - a_[1] for a_, b in zip(ends, ends[1:])]
     print("RESULT " + json.dumps({"framework": a.child, "mode": a.mode, "step_s": wall, "cpu_s": cpu,
-                                  "peak_rss_mb": peak_rss_mb()}), flush=True)
+                                  "peak_rss_mb": peak}), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ parent
