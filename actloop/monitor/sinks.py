@@ -21,16 +21,20 @@ def numeric(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalars to RUN_DIR/tensorboard via torch.utils.tensorboard (or tensorboardX)."""
+    """Scalars to RUN_DIR/tensorboard via torch.utils.tensorboard (or tensorboardX). The writer
+    starts at the first logged step with `purge_step` there: a resumed run hides what the killed
+    run logged after its checkpoint, so each step shows once."""
 
     def __init__(self, log_dir: str | Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             from tensorboardX import SummaryWriter  # raises ImportError when neither is installed
-        self.writer = SummaryWriter(str(log_dir))
+        self._writer_cls, self.log_dir, self.writer = SummaryWriter, str(log_dir), None
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
+        if self.writer is None:
+            self.writer = self._writer_cls(self.log_dir, purge_step=step)
         for k, v in numeric(record).items():
             self.writer.add_scalar(k, v, step)
         for k in record:
@@ -39,7 +43,8 @@ class TensorBoardSink:
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class WandbSink:

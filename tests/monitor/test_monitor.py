@@ -139,6 +139,26 @@ def test_tensorboard_sink_writes_scalars(cfg, tmp_path):
     assert "total/tokens" in acc.Tags()["scalars"]
 
 
+def test_tensorboard_after_a_resume_shows_each_step_once(cfg, tmp_path):
+    # killed after logging steps 1-3, checkpointed at 2: the resumed run logs 3 and 4 again; the
+    # killed run's step 3 must not stay next to the new one (a zig-zag in every plot)
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg.monitor.tensorboard = True
+    killed = Monitor(cfg, tmp_path)
+    for step in (1, 2, 3):
+        killed.log_step(record(step, reward_mean=0.25 * step), batch(step))
+    killed.close()
+    resumed = Monitor(cfg, tmp_path)
+    for step in (3, 4):
+        resumed.log_step(record(step, reward_mean=1.0 + step), batch(step))
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5), (3, 4.0), (4, 5.0)]
+
+
 def test_wandb_sink_offline(cfg, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
     monkeypatch.setenv("WANDB_MODE", "offline")
