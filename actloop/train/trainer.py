@@ -208,7 +208,8 @@ def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint |
 
 def _usage(task: Task) -> dict[str, dict[str, float]]:
     """Process-wide sandbox totals and the task's judges' totals, read before and after a step."""
-    return {"sandbox": sandbox_clock.totals(), "judge": judge_usage([t.func for t in task.rubric.terms])}
+    rubrics = [task.rubric, *getattr(task.rubric, "parts", {}).values()]  # a data mix: its sources' rubrics
+    return {"sandbox": sandbox_clock.totals(), "judge": judge_usage([t.func for r in rubrics for t in r.terms])}
 
 
 def usage_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:

@@ -232,6 +232,13 @@ def test_judge_endpoint_failing_is_masked_counted_and_tokens_are_per_step(judge_
     assert math.isclose(delta["judge/cost_usd"], (20 * 1.0 + 4 * 4.0) / 1e6)
     assert judge_usage([constant]) == {"requests": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0,
                                        "cost_usd": 0.0}
+    # a data mix scores with its sources' rubrics: their judges are the step's judges too
+    from actloop.data.mix import MixedRubric
+
+    task.rubric = MixedRubric(terms=[], parts={"chat": rubric})
+    before = _usage(task)
+    task.rubric.score([dataclasses.replace(text_trajectory("hi"), row={"source": "chat"})])
+    assert usage_delta(before, _usage(task))["judge/requests"] == 1
 
 
 def test_guard_stops_after_consecutive_bad_steps(tmp_path):
