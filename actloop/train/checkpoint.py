@@ -85,6 +85,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: Any, lrs: list[float],
+                           weight_decay: float) -> None:
+    """After loading a checkpoint's optimizer and LambdaLR scheduler: the config's learning rate
+    of each param group and weight decay win (their state_dicts carry the old ones, which would
+    silently undo `resume=RUN_DIR train.lr=...`); the schedule continues at its step. Unchanged
+    settings give back exactly the loaded values."""
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["initial_lr"], g["weight_decay"] = lr, weight_decay
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for g, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        g["lr"] = base * fn(scheduler.last_epoch)  # what LambdaLR.get_lr computes
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 # --- writing and finding --------------------------------------------------------------------
 
 
@@ -188,8 +202,9 @@ def truncate_jsonl(path: str | Path, step: int) -> int:
 
 
 # Keys a resumed run may not change: they decide what the checkpoint holds or which data comes next.
+# train.beta: the checkpoint carries the (adapted) KL coefficient, and 0 decides whether a reference model loads.
 FIXED_ON_RESUME = ("model", "seed", "algo", "data.", "lora.", "reward.", "ppo.critic", "train.prompts_per_step",
-                   "train.group_size")
+                   "train.group_size", "train.beta")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -275,6 +275,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         state = ckpt.load_state()
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        checkpoint.apply_optimizer_config(optimizer, scheduler, [cfg.train.lr, cfg.ppo.critic_lr][: len(param_groups)],
+                                          cfg.train.weight_decay)  # a resume may change train.lr
         if critic is not None:
             critic.load_state_dict(state["critic"])
         sampler.load_state_dict(state["sampler"])

@@ -177,6 +177,47 @@ def test_resume_config_checks(tmp_path):
     assert [f.split(":")[0] for f in fixed] == ["seed", "data.task"] and allowed == ["train.lr: 2e-05 -> 1e-05"]
 
 
+def _trained_optimizer(lr, weight_decay, steps=2):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW([{"params": [model.weight], "lr": lr}, {"params": [model.bias], "lr": lr * 10}],
+                            lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    for _ in range(steps):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+def test_resume_applies_the_new_learning_rate_and_weight_decay():
+    # the optimizer's and scheduler's state_dicts carry the old lr and weight decay: loading them
+    # silently undid `resume=RUN_DIR train.lr=...` while the resume printed the change as allowed
+    old, old_sched = _trained_optimizer(0.1, 0.0)
+    new, new_sched = _trained_optimizer(0.01, 0.5, steps=0)
+    new.load_state_dict(old.state_dict())
+    new_sched.load_state_dict(old_sched.state_dict())
+    checkpoint.apply_optimizer_config(new, new_sched, [0.01, 0.2], 0.5)
+    assert [g["lr"] for g in new.param_groups] == [0.01 * 3 / 4, 0.2 * 3 / 4]  # the schedule is at step 2
+    assert [g["weight_decay"] for g in new.param_groups] == [0.5, 0.5]
+    new_sched.step()
+    assert new_sched.get_last_lr() == [0.01, 0.2]
+    # unchanged settings: the resumed optimizer is exactly the saved one (exact resume)
+    same, same_sched = _trained_optimizer(0.1, 0.0, steps=0)
+    same.load_state_dict(old.state_dict())
+    same_sched.load_state_dict(old_sched.state_dict())
+    checkpoint.apply_optimizer_config(same, same_sched, [0.1, 1.0], 0.0)
+    assert [g["lr"] for g in same.param_groups] == [g["lr"] for g in old.param_groups]
+    assert same_sched.get_last_lr() == old_sched.get_last_lr()
+
+
+def test_resume_refuses_a_changed_kl_coefficient(tmp_path):
+    # the checkpoint carries beta (adapted by kl.controller): a new train.beta would be ignored
+    saved = load_config(None, ["train.beta=0.04"])
+    fixed, _ = checkpoint.config_changes(saved, load_config(None, ["train.beta=0.1"]))
+    assert [f.split(":")[0] for f in fixed] == ["train.beta"]
+
+
 def test_resume_without_checkpoint_or_with_changed_data_fails_clearly(tmp_path):
     from actloop.train.trainer import open_run
 
