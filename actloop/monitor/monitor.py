@@ -89,7 +89,8 @@ class Monitor:
         self._guard("cost monitor", lambda: record.update(self._derived(record, scored)))
         fired: list[Alarm] = []
         if self.mcfg.alarms:
-            fired = self._guard("alarms", lambda: self._alarms(record)) or []
+            n_groups = -(-len(scored) // max(1, self.group_size))
+            fired = self._guard("alarms", lambda: self._alarms(record, n_groups)) or []
         record.update({f"alarm/{a.name}": 1 for a in fired})  # numbers only, like every other key
         self.metrics.call("log", record)
         for sink in self.extra.values():
@@ -106,11 +107,16 @@ class Monitor:
         out.update(self.costs.update(record))
         return out
 
-    def _alarms(self, record: dict[str, Any]) -> list[Alarm]:
+    def _alarms(self, record: dict[str, Any], n_groups: int = 0) -> list[Alarm]:
         keep = set(ALARM_KEYS) | set(self.mcfg.heldout_keys)
         # numbers, inf and nan included (an overflowing update is what the KL and gradient alarms are for)
-        self.history.append({k: float(v) for k, v in drop_idle_updates(record).items()
-                             if k in keep and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        entry = {k: float(v) for k, v in drop_idle_updates(record).items()
+                 if k in keep and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        dropped = record.get("dropped_groups")
+        if isinstance(dropped, (int, float)) and dropped > 0 and n_groups and "zero_variance_groups" in entry:
+            # dynamic sampling kept the `n_groups` with signal: the dropped groups are the all-equal ones
+            entry["zero_variance_groups"] = (entry["zero_variance_groups"] * n_groups + dropped) / (n_groups + dropped)
+        self.history.append(entry)
         fired, self.alarm_states = step_alarms(self.history, self.mcfg, self.alarm_states)
         for a in fired:
             self.print(str(a))

@@ -165,3 +165,23 @@ def test_non_finite_kl_or_grad_norm_is_a_blowup(cfg, tmp_path):
         fired += [(a.step, a.name) for a in mon.log_step(record(s, **bad), make_batch([0.0, 1.0]))]
     assert fired == [(7, "kl_blowup"), (7, "grad_norm_spike")]
     assert any("KL inf" in m for m in said) and any("grad_norm nan" in m for m in said)
+
+
+def test_zero_variance_alarm_sees_groups_dynamic_sampling_dropped(cfg, tmp_path):
+    # with train.dynamic_sampling the kept groups all have signal (zero_variance_groups = 0): the
+    # all-equal groups are the dropped ones, 10 of 12 rolled out here, at every step
+    from actloop.monitor.monitor import Monitor
+
+    from .conftest import make_batch, record
+
+    mon = Monitor(cfg, tmp_path, print_fn=lambda _: None)  # group_size 2: the batch below is 2 groups
+    fired = []
+    for s in range(1, 8):
+        rec = record(s, zero_variance_groups=0.0, dropped_groups=10)
+        fired += [(a.step, a.name) for a in mon.log_step(rec, make_batch([0.0, 1.0, 0.0, 1.0]))]
+    assert fired == [(5, "zero_variance_groups")]
+    assert mon.history[-1]["zero_variance_groups"] == 10 / 12
+    # without dropped groups the step's own value stands
+    quiet = Monitor(cfg, tmp_path / "b", print_fn=lambda _: None)
+    assert not any(quiet.log_step(record(s, zero_variance_groups=0.0, dropped_groups=0), make_batch([0.0, 1.0]))
+                   for s in range(1, 8))
