@@ -138,6 +138,7 @@ def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
     print("PARTS " + json.dumps([{k: r.get(k) for k in keys} for r in recs]), file=sys.stderr, flush=True)
     # actloop resets the RSS high-water mark after every update (its per-step peak_mem_mb), so the
     # process peak is the largest step window, not the VmHWM left at the end
+    print("TOKENS " + json.dumps([r["response_tokens"] for r in recs]), flush=True)
     return clock.ends, max(r["peak_mem_mb"] for r in recs)
 
 
@@ -175,6 +176,7 @@ def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
         gradient_checkpointing=a.gradient_checkpointing,  # TRL's default is on; actloop's off: match
     )
     ends: list[tuple[float, float]] = []
+    tokens: list[float] = []
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -183,11 +185,16 @@ def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
         def on_step_end(self, *_, **__):
             ends.append(now())
 
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(float(logs["completions/mean_length"]) * a.prompts * a.group)
+
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=args, train_dataset=data,
                           processing_class=tok, peft_config=peft_config, callbacks=[Clock()])
     trainer.train()
     from actloop.train.memory import rss_peak_mb
 
+    print("TOKENS " + json.dumps(tokens), flush=True)
     return ends[1:], rss_peak_mb()  # step ends only, as for actloop; TRL never resets VmHWM
 
 
@@ -225,9 +232,12 @@ def launch(a, framework: str, mode: str) -> dict:
     if p.returncode != 0 or not lines:
         sys.exit(f"{framework}/{mode} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
+    toks = [json.loads(ln[len("TOKENS "):]) for ln in p.stdout.splitlines() if ln.startswith("TOKENS ")]
+    r["tokens"] = (toks[-1] if toks else [])[1:]  # generated tokens of steps 2..n, the timed ones
     r["s_per_step"], r["cpu_per_step"] = statistics.mean(r["step_s"]), statistics.mean(r["cpu_s"])
+    r["tokens_per_step"] = statistics.mean(r["tokens"]) if r["tokens"] else float("nan")
     print(f"  {framework:7s} {mode:4s} {r['s_per_step']:6.2f} s/step wall, {r['cpu_per_step']:6.2f} CPU  "
-          f"steps {[round(x, 1) for x in r['step_s']]}  peak RSS {r['peak_rss_mb']:.0f} MB  "
+          f"{r['tokens_per_step']:.0f} tokens  steps {[round(x, 1) for x in r['step_s']]}  peak RSS {r['peak_rss_mb']:.0f} MB  "
           f"({time.time() - t0:.0f} s wall)", file=sys.stderr, flush=True)
     return r
 
@@ -265,19 +275,23 @@ def main(argv=None) -> None:
 
     print(f"\nGRPO, {a.prompts} prompts x {a.group} samples, {a.max_new_tokens} new tokens, {a.precision}, "
           f"{a.threads} thread(s), beta {a.beta}, {a.steps} steps (the first excluded), median of {a.repeats} "
-          "run(s); wall = seconds per step, CPU = process CPU seconds per step\n")
-    cols = " | ".join(f"{fw} wall | {fw} CPU | {fw} peak RSS MB" for fw in frameworks)
+          "run(s); wall = seconds per step, CPU = process CPU seconds per step, tokens = generated tokens per step\n")
+    cols = " | ".join(f"{fw} wall | {fw} CPU | {fw} tokens | {fw} peak RSS MB" for fw in frameworks)
     two = len(frameworks) == 2
-    print(f"| mode | {cols} |" + (" speed-up wall (TRL / actloop) | speed-up CPU |" if two else ""))
-    print("|---" * (1 + 3 * len(frameworks) + 2 * two) + "|")
+    print(f"| mode | {cols} |" + (" speed-up wall (TRL / actloop) | speed-up CPU | speed-up CPU per token |"
+                                 if two else ""))
+    print("|---" * (1 + 4 * len(frameworks) + 3 * two) + "|")
     for mode in modes:
-        cells, w, c = [], {}, {}
+        cells, w, c, k = [], {}, {}, {}
         for fw in frameworks:
             rs = results[(fw, mode)]
             w[fw] = statistics.median(r["s_per_step"] for r in rs)
             c[fw] = statistics.median(r["cpu_per_step"] for r in rs)
-            cells.append(f"{w[fw]:.2f} | {c[fw]:.2f} | {statistics.median(r['peak_rss_mb'] for r in rs):.0f}")
-        ratio = f" {w['trl'] / w['actloop']:.2f}x | {c['trl'] / c['actloop']:.2f}x |" if two else ""
+            k[fw] = statistics.median(r["tokens_per_step"] for r in rs)
+            cells.append(f"{w[fw]:.2f} | {c[fw]:.2f} | {k[fw]:.0f} | "
+                         f"{statistics.median(r['peak_rss_mb'] for r in rs):.0f}")
+        ratio = (f" {w['trl'] / w['actloop']:.2f}x | {c['trl'] / c['actloop']:.2f}x | "
+                 f"{(c['trl'] / k['trl']) / (c['actloop'] / k['actloop']):.2f}x |") if two else ""
         print(f"| {'full fine-tuning' if mode == 'full' else 'LoRA'} | {' | '.join(cells)} |{ratio}")
 
 
