@@ -344,7 +344,9 @@ class BwrapSandbox(AsyncMixin):
         try:
             cmd, fds = self._command(argv, code, files, limits, slot)
             try:
-                proc = _proc.spawn(cmd, env=self._env, stdin_pipe=stdin_pipe,
+                # its own session: a Ctrl-C at the terminal goes to the trainer (which finishes the step),
+                # not to the sandboxes of that step (which would die with exit 130 and score 0)
+                proc = _proc.spawn(cmd, env=self._env, stdin_pipe=stdin_pipe, new_session=True,
                                    pass_fds=[*fds, *([slot.fd] if slot else [])])
             finally:
                 for fd in fds:

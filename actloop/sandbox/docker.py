@@ -177,7 +177,7 @@ class DockerSandbox(AsyncMixin):
         data = data or b""
         name = f"actloop-sbx-{uuid.uuid4().hex[:16]}"
         started = time.monotonic()
-        proc = _proc.spawn(self.command(name, limits), env=_client_env(), stdin_pipe=True)
+        proc = _proc.spawn(self.command(name, limits), env=_client_env(), stdin_pipe=True, new_session=True)
 
         def kill() -> None:
             self._remove(name)
@@ -194,7 +194,7 @@ class DockerSandbox(AsyncMixin):
     ) -> _proc.SandboxProcess:
         limits = limits or self.limits
         name = f"actloop-sbx-{uuid.uuid4().hex[:16]}"
-        proc = _proc.spawn(self.command(name, limits), env=_client_env(), stdin_pipe=True)
+        proc = _proc.spawn(self.command(name, limits), env=_client_env(), stdin_pipe=True, new_session=True)
         assert proc.stdin is not None
         proc.stdin.write(self._header(self._argv(argv, None), check_files(files)))
         proc.stdin.flush()

@@ -531,3 +531,27 @@ def test_no_zombies_left_for_a_non_reaping_host(tier, bwrap_sandbox) -> None:  #
     assert r.returncode == 0, r.stderr
     failed, zombies = r.stdout.split()[:2]
     assert (failed, zombies) == ("0", "0"), r.stdout
+
+
+_CTRL_C_SCRIPT = """
+import os, signal, threading, time, json
+from actloop.sandbox import BwrapSandbox, Limits
+signal.signal(signal.SIGINT, lambda *a: None)  # the trainer catches Ctrl-C and finishes its step
+sb = BwrapSandbox(Limits(timeout_s=10))
+out = {}
+t = threading.Thread(target=lambda: out.update(r=sb.run(code="import time; time.sleep(1.5); print('done')")))
+t.start()
+time.sleep(0.7)
+os.killpg(0, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole foreground process group
+t.join()
+print(json.dumps({"exit": out["r"].exit_code, "stdout": out["r"].stdout}))
+"""
+
+
+def test_ctrl_c_at_the_terminal_does_not_kill_the_steps_sandboxes(bwrap_sandbox) -> None:
+    # run in its own session so that its killpg cannot reach pytest
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_SCRIPT], capture_output=True, text=True, timeout=60,
+                          start_new_session=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res == {"exit": 0, "stdout": "done\n"}
