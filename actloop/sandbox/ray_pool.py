@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from . import clock
 from .base import AsyncMixin, ExecResult, Files, Limits, Sandbox, prepare_run
 
 
@@ -65,7 +66,9 @@ class RaySandbox(AsyncMixin):
         prepare_run(code, argv, files, stdin, limits, self.limits)  # bad arguments fail here, as locally
         with self._lock:
             worker = self.workers[next(self._next) % len(self.workers)]
-        return ray_module().get(worker.run.remote(code, argv, files, stdin, limits))
+        res = ray_module().get(worker.run.remote(code, argv, files, stdin, limits))
+        clock.record(res.duration_s, res.timed_out)  # the actor's process has its own clock: count it here
+        return res
 
     def spawn(self, *args: Any, **kw: Any) -> Any:
         """Interpreter sessions run in this process's sandbox (see the module docstring)."""

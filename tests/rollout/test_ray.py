@@ -118,8 +118,14 @@ def test_ray_sandbox_matches_local_shape_and_limits(ray_session):
         assert isinstance(r, ExecResult) and r.stdout == lr.stdout == "42\n" and r.exit_code == 0 and r.ok
         assert r.tier == lr.tier == sb.tier and sb.isolated == local.isolated
         assert [f.name for f in dataclasses.fields(r)] == [f.name for f in dataclasses.fields(lr)]
+        from actloop.sandbox import clock
+
+        before = clock.totals()
         slow = sb.run("while True: pass", limits=Limits(timeout_s=1.0))
         assert slow.timed_out and not slow.ok
+        after = clock.totals()  # the driver counts the actor's run in the step's sandbox_s
+        assert after["runs"] - before["runs"] == 1 and after["timeouts"] - before["timeouts"] == 1
+        assert after["seconds"] - before["seconds"] >= 0.9
         big = sb.run("x = bytearray(400 * 1024 * 1024)", limits=Limits(memory_mb=128))
         assert big.oom and big.exit_code != 0
         echo = sb.run(argv=["python", "main2.py"], files={"main2.py": "import sys; print(sys.stdin.read()[::-1])"},
