@@ -48,6 +48,8 @@ def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
             raise ConfigError("rollout.vllm_server_sync=lora needs lora.enabled=true")
         if sync == "nccl" and models.lora:
             raise ConfigError("with lora.enabled=true use rollout.vllm_server_sync=lora (or auto)")
+        if sync == "nccl":  # the trainer joins the server's NCCL group with vLLM's communicator
+            _need_vllm(f"{kind} with rollout.vllm_server_sync=nccl")
         return VLLMServerEngine(r.vllm_server_url, renderer.eos_token_ids, renderer.stop_strings, sync=sync,
                                 adapter_dir=adapter_dir(cfg), world_size=r.vllm_server_world_size,
                                 master_port=r.vllm_nccl_port, dtype=_vllm_dtype(cfg))

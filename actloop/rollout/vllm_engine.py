@@ -11,19 +11,32 @@ Both sample from their own copy of the weights (`weights = "copy"`), refreshed b
 `sync_weights` after every update, so the trainer turns on the importance-sampling correction
 (`correction.mode=auto` -> tis_token) for them, as it does for HFEngine's bf16 copy.
 
+Stopping matches HFEngine: vLLM runs with `ignore_eos=True` and `stop_token_ids=<the renderer's
+EOS ids>`, so only those ids end a turn (vLLM otherwise also stops on the tokenizer's and
+generation_config.json's EOS ids); the EOS or the token completing a stop string is the last
+sampled id. Every sampling knob vLLM has is sent explicitly (top_k/min_p/penalties off): a
+`vllm serve` otherwise fills unset ones from the model's generation_config.json.
+
+Checked against vLLM 0.33.0's source (vllm/entrypoints/llm.py, v1/sample/sampler.py,
+v1/core/sched/utils.py, entrypoints/rl/online/api_router.py,
+distributed/weight_transfer/nccl_engine.py, entrypoints/serve/lora/api_router.py).
+
 Weight sync:
-- colocated, full weights: the trainer's tensors are handed to vLLM's model `load_weights` in
-  this process (the path TRL's colocate mode uses); vLLM's engine core runs in-process
-  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so no copy crosses a process boundary. With sleep mode
-  vLLM sleeps at level 2 during the update (weights and KV cache freed) and wakes its weights,
-  then its KV cache, around the load.
+- colocated, full weights: the trainer's tensors go to the worker in this process through
+  `llm.collective_rpc` — the worker's `reload_weights(weights_iterator=...)` where it exists
+  (vLLM's layerwise reload: load_weights plus the post-load processing, the path its own
+  weight-transfer engines use), else the model's `load_weights` (older vLLM, TRL's colocate
+  path). vLLM's engine core runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so no copy
+  crosses a process boundary. With sleep mode vLLM sleeps at level 2 during the update
+  (weights and KV cache freed) and wakes its weights, then its KV cache, around the load.
 - colocated, LoRA: the adapter is saved and passed as a fresh `LoRARequest` (a new id per
   version, so vLLM's adapter cache never serves a stale one); base weights stay, so sleep is level 1.
 - server, full weights: vLLM's RL weight-transfer HTTP routes with the NCCL backend (`vllm serve
   --weight-transfer-config '{"backend": "nccl"}'`): POST /init_weight_transfer_engine once
   (the trainer joins as rank 0 of a StatelessProcessGroup), then per sync POST /update_weights
   with the names, dtypes and shapes while the trainer broadcasts the tensors in that order
-  (/start_weight_update and /finish_weight_update are called where the server has them).
+  (/start_weight_update and /finish_weight_update are called where the server has them; vLLM
+  0.33 requires them). These routes exist only with VLLM_SERVER_DEV_MODE=1 on the server.
 - server, LoRA: the adapter is saved where the server can read it and loaded with POST
   /v1/load_lora_adapter (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server); the
   previous version is unloaded.
@@ -57,7 +70,17 @@ def vllm_sampling_kwargs(params: SamplingParams, eos_token_ids: Iterable[int], s
         "n": 1,
         "temperature": 0.0 if greedy else float(params.temperature),
         "top_p": 1.0 if greedy else float(params.top_p),
+        # off, as in HFEngine's sampler; explicit because a server fills unset knobs from the
+        # model's generation_config.json (top_k=-1: "off" in every vLLM, 0 only in newer ones)
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         "max_tokens": int(params.max_new_tokens),
+        # only the renderer's EOS ids stop, as in HFEngine (ignore_eos drops vLLM's own
+        # tokenizer/generation_config EOS ids; stop_token_ids still stop and are returned)
+        "ignore_eos": True,
         "stop_token_ids": [int(t) for t in eos_token_ids],
         "stop": list(stop_strings),
         "include_stop_str_in_output": True,  # the stop string is part of the turn (</tool_call>)
@@ -68,12 +91,22 @@ def vllm_sampling_kwargs(params: SamplingParams, eos_token_ids: Iterable[int], s
 
 
 def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
-    """vLLM's (finish_reason, stop_reason) -> actloop's: a str stop_reason is a stop string."""
-    if reason == "length" or reason == "abort" or reason is None:
-        return "length"  # cut off (or aborted): the episode cannot continue sensibly
-    if reason == "stop" and isinstance(stop_reason, str):
-        return "stop_string"
-    return "stop"
+    """vLLM's (finish_reason, stop_reason) -> actloop's: a str stop_reason is a stop string.
+    Anything but "stop" (length, abort, error, repetition, None) is a cut-off turn."""
+    if reason != "stop":
+        return "length"  # the episode cannot continue sensibly
+    return "stop_string" if isinstance(stop_reason, str) else "stop"
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+
+
+def vllm_max_lora_rank(r: int) -> int:
+    """vLLM's `max_lora_rank` accepts only these values: the smallest one >= the adapter's rank."""
+    for v in _LORA_RANKS:
+        if v >= r:
+            return v
+    raise ValueError(f"LoRA rank {r} is above vLLM's largest max_lora_rank ({_LORA_RANKS[-1]})")
 
 
 def completion_from_vllm(output: Any, greedy: bool = False) -> Completion:
@@ -155,15 +188,15 @@ class VLLMEngine:
         self._asleep = False
         self._weights_lost = False  # after a level-2 sleep, until the next sync
         if llm is None:
-            # the engine core in this process: load_weights then reaches the model directly
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            # the engine core in this process: the weight sync hands it tensors, not copies
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             from vllm import LLM
 
             kwargs: dict[str, Any] = dict(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                                           enable_sleep_mode=sleep, max_model_len=max_model_len, dtype=dtype,
                                           seed=seed, logprobs_mode="processed_logprobs")
             if self.lora:
-                kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+                kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
             llm = LLM(**kwargs)
         self.llm = llm
 
@@ -205,34 +238,33 @@ class VLLMEngine:
             return
         import torch
 
+        if getattr(self.llm.llm_engine, "model_executor", None) is None:
+            raise RuntimeError("cannot reach vLLM's worker in this process: colocated sync needs "
+                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 and a single-GPU engine (tensor_parallel_size=1)")
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load
-        self._vllm_model().load_weights(weights=full_weights(model, getattr(torch, self.dtype)))
+        # in-process, collective_rpc calls the function on the worker object itself (no pickling)
+        self.llm.collective_rpc(load_into_worker, args=(full_weights(model, getattr(torch, self.dtype)),))
         self._weights_lost = False
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
-    def _vllm_model(self) -> Any:
-        """The in-process model vLLM runs (its place moved between versions)."""
-        for path in _MODEL_PATHS:
-            obj = self.llm
-            try:
-                for attr in path.split("."):
-                    obj = getattr(obj, attr)
-                return obj
-            except AttributeError:
-                continue
-        raise RuntimeError("cannot reach vLLM's model in this process: colocated sync needs "
-                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 and a single-GPU engine (tensor_parallel_size=1)")
 
+def load_into_worker(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """Run on vLLM's worker (through `LLM.collective_rpc`): load checkpoint-format weights in
+    place. The worker's `reload_weights(weights_iterator=...)` (0.33; older ones only re-read
+    the checkpoint from disk) wraps `load_weights` in the layerwise reload, which re-runs each
+    layer's post-load processing and resets LoRA/encoder state; else the model's `load_weights`."""
+    import inspect
 
-_MODEL_PATHS = (
-    "llm_engine.model_executor.driver_worker.worker.model_runner.model",  # v1, in-process core
-    "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
-    "llm_engine.model_executor.driver_worker.model_runner.model",  # v0
-)
+    runner = worker.model_runner
+    reload = getattr(runner, "reload_weights", None)
+    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+        worker.reload_weights(weights_iterator=weights)
+    else:
+        runner.model.load_weights(weights)
 
 
 # --- server --------------------------------------------------------------------------------
@@ -287,11 +319,10 @@ def _token_id(token: str) -> int:
 def weight_update_info(weights: list[tuple[str, Any]]) -> dict[str, Any]:
     """The `update_info` of POST /update_weights for the NCCL backend: what the server must
     allocate, in the order the trainer broadcasts."""
-    return {
+    return {  # no `packed` key: 0.33 moved it to init_info and rejects it here; unpacked is the default in both
         "names": [n for n, _ in weights],
         "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
         "shapes": [list(t.shape) for _, t in weights],
-        "packed": False,
     }
 
 
@@ -338,7 +369,8 @@ class HTTPError(RuntimeError):
 class VLLMServerEngine:
     """A separately started `vllm serve` (`rollout.engine=vllm-server`). Launch it with
     `--logprobs-mode processed_logprobs` (log-probs under the sampling temperature) and, for
-    full-weight sync, `--weight-transfer-config '{"backend": "nccl"}'`; see docs/engines.md."""
+    full-weight sync, VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend": "nccl"}'`;
+    see docs/engines.md."""
 
     weights = "copy"
 
@@ -408,6 +440,7 @@ class VLLMServerEngine:
 
             weights = list(full_weights(model, getattr(torch, self.dtype)))
             if self._send is None:
+                self.world_size = self._server_world_size()
                 init = {"master_address": self.master_address, "master_port": self.master_port,
                         "rank_offset": 1, "world_size": 1 + self.world_size}
                 # the server joins the group while we do: its request returns once both ends are in
@@ -420,6 +453,17 @@ class VLLMServerEngine:
                                 lambda: [send(t) for _, t in weights])
             self._post("/finish_weight_update", optional=True)
             self._post("/reset_prefix_cache", optional=True)
+
+    def _server_world_size(self) -> int:
+        """The server's worker count (TP x PP x DP) from GET /get_world_size where it has the
+        route (a wrong NCCL group size hangs both ends), else the configured one."""
+        try:
+            answer = self._get("/get_world_size")
+        except HTTPError as e:
+            if e.status == 404:
+                return self.world_size
+            raise
+        return int(answer["world_size"]) if isinstance(answer, dict) and "world_size" in answer else self.world_size
 
     def _while_posting(self, path: str, body: dict[str, Any], work: Callable[[], Any]) -> Any:
         """POST `path` on a thread while `work()` runs here (the two ends of a collective)."""

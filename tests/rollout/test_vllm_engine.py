@@ -21,9 +21,11 @@ from actloop.rollout.vllm_engine import (
     completions_request,
     finish_reason,
     full_weights,
+    load_into_worker,
     parse_completions,
     rendezvous_address,
     save_adapter,
+    vllm_max_lora_rank,
     vllm_sampling_kwargs,
     vllm_weight_name,
     weight_update_info,
@@ -40,9 +42,10 @@ def _has_vllm_gpu() -> bool:
 
 def test_sampling_params_translation():
     kw = vllm_sampling_kwargs(SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9), (2, 7), ["</tool_call>"])
-    assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "stop_token_ids": [2, 7],
-                  "stop": ["</tool_call>"], "include_stop_str_in_output": True, "skip_special_tokens": False,
-                  "logprobs": 0, "seed": None}
+    assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 12, "ignore_eos": True,
+                  "stop_token_ids": [2, 7], "stop": ["</tool_call>"], "include_stop_str_in_output": True,
+                  "skip_special_tokens": False, "logprobs": 0, "seed": None}
     greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=True), (2,), ())
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["max_tokens"] == 5
 
@@ -53,6 +56,14 @@ def test_finish_reasons():
     assert finish_reason("stop", 2) == "stop"  # a stop token id
     assert finish_reason("stop", "</tool_call>") == "stop_string"
     assert finish_reason("abort", None) == "length"
+    assert finish_reason("repetition", "repetition_detected") == "length"  # cut off, not a stop string
+    assert finish_reason("error", None) == "length"
+
+
+def test_max_lora_rank_rounds_up_to_a_value_vllm_accepts():
+    assert [vllm_max_lora_rank(r) for r in (1, 4, 8, 12, 16, 200, 320, 512)] == [1, 8, 8, 16, 16, 256, 320, 512]
+    with pytest.raises(ValueError, match="512"):
+        vllm_max_lora_rank(600)
 
 
 def _out(ids, lps, reason="stop", stop=None, extra_top=True):
@@ -97,8 +108,8 @@ def test_weight_names_and_casting():
     ws = list(full_weights(m, torch.bfloat16))
     assert [n for n, _ in ws] == ["lin.weight", "lin.bias"] and all(t.dtype == torch.bfloat16 for _, t in ws)
     info = weight_update_info(ws)
-    assert info == {"names": ["lin.weight", "lin.bias"], "dtype_names": ["bfloat16", "bfloat16"], "shapes": [[3, 2], [3]],
-                    "packed": False}
+    # exactly vLLM's NCCLWeightTransferUpdateInfo fields (0.33 rejects any other key, e.g. `packed`)
+    assert info == {"names": ["lin.weight", "lin.bias"], "dtype_names": ["bfloat16", "bfloat16"], "shapes": [[3, 2], [3]]}
     peft_like = _Tiny()
     peft_like.peft_config = {}
     with pytest.raises(ValueError, match="adapter"):
@@ -119,12 +130,32 @@ def test_save_adapter_keeps_the_newest(tmp_path):
 
 # --- colocated: the sleep / wake / load sequence against a recording stand-in for vllm.LLM ---
 
+class _Runner:
+    """vLLM >= 0.1x model runner: reload_weights takes the tensors (layerwise reload)."""
+
+    def __init__(self, calls):
+        self.calls, self.model = calls, SimpleNamespace(load_weights=lambda w: calls.append(("direct", list(w))))
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        self.calls.append(("load", [n for n, _ in weights_iterator]))
+
+
+class _Worker:
+    def __init__(self, runner):
+        self.model_runner = runner
+
+    def reload_weights(self, *args, **kwargs):  # as vLLM's Worker: forwards to its runner
+        self.model_runner.reload_weights(*args, **kwargs)
+
+
 class _FakeLLM:
-    def __init__(self):
+    def __init__(self, in_process=True):
         self.calls = []
-        model = SimpleNamespace(load_weights=lambda weights: self.calls.append(("load", [n for n, _ in weights])))
-        worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+        self.worker = _Worker(_Runner(self.calls))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace() if in_process else None)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [method(self.worker, *args, **(kwargs or {}))]  # in-process: the callable runs on the worker
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -150,6 +181,29 @@ def test_colocated_sleeps_for_the_update_and_loads_weights_before_the_kv_cache()
     assert not eng._asleep and not eng._weights_lost and eng.version == 1
 
 
+def test_colocated_sync_refuses_an_engine_core_in_another_process():
+    eng = VLLMEngine("unused", (2,), llm=_FakeLLM(in_process=False))
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        eng.sync_weights(_Tiny())
+
+
+def test_load_into_worker_uses_reload_weights_else_load_weights():
+    calls = []
+    load_into_worker(_Worker(_Runner(calls)), iter([("a", 1), ("b", 2)]))
+    assert calls == [("load", ["a", "b"])]
+
+    class OldRunner:  # older vLLM: reload_weights() re-reads the checkpoint from disk, no tensors
+        def __init__(self):
+            self.model = SimpleNamespace(load_weights=lambda w: calls.append(("direct", [n for n, _ in w])))
+
+        def reload_weights(self):
+            raise AssertionError("would reload from disk")
+
+    calls.clear()
+    load_into_worker(SimpleNamespace(model_runner=OldRunner()), iter([("a", 1)]))
+    assert calls == [("direct", ["a"])]
+
+
 def test_colocated_lora_sleeps_at_level_1_and_sends_a_new_adapter(tmp_path):
     pytest.importorskip("vllm", reason="LoRARequest comes from vllm")
     llm = _FakeLLM()
@@ -165,8 +219,8 @@ class _FakeServer:
     """Records every request; /v1/completions answers each prompt with its ids reversed, each
     token's log-prob -0.1 * (position + 1), choices in reverse order (the client must sort)."""
 
-    def __init__(self, missing=("/start_weight_update",)):
-        self.requests, self.missing = [], set(missing)
+    def __init__(self, missing=("/start_weight_update",), world_size=2):
+        self.requests, self.missing, self.world_size = [], set(missing), world_size
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -183,6 +237,10 @@ class _FakeServer:
 
             def do_GET(self):
                 fake.requests.append(("GET", self.path, None))
+                if self.path in fake.missing:
+                    return self._reply(404, {"detail": "Not Found"})
+                if self.path == "/get_world_size":
+                    return self._reply(200, {"world_size": fake.world_size})
                 self._reply(200, {"data": [{"id": "served-model"}]})
 
             def do_POST(self):
@@ -231,6 +289,9 @@ def test_server_generate_sends_token_ids_and_parses_tokens_back(server):
     assert body["prompt"] == [[1, 2, 3], [7, 8]] and body["model"] == "served-model"
     assert body["logprobs"] == 1 and body["return_tokens_as_token_ids"] and body["max_tokens"] == 2
     assert body["temperature"] == 0.9 and body["stop_token_ids"] == [2] and body["stop"] == ["</tool_call>"]
+    # only our EOS ids stop; no sampling knob is left for the server's generation_config to fill
+    assert body["ignore_eos"] is True and body["top_k"] == -1 and body["min_p"] == 0.0
+    assert body["repetition_penalty"] == 1.0 and body["return_token_ids"]
     assert "seed" not in body
     assert comps[0].token_ids == (3, 2) and comps[0].logprobs == pytest.approx((-0.1, -0.2))
     assert comps[0].finish_reason == "stop_string"
@@ -287,6 +348,23 @@ def test_server_nccl_sync_posts_metadata_while_broadcasting_in_order(server):
     assert len(server.posts("/finish_weight_update")) == 2  # /start_weight_update is 404 here: skipped
 
 
+def test_server_nccl_group_size_comes_from_the_server_when_it_says():
+    groups = []
+
+    def broadcaster(addr, port, world):
+        groups.append(world)
+        return lambda t: None
+
+    for missing, expect in (((), 5), (("/get_world_size",), 2)):  # the server says 4; else the configured 1
+        s = _FakeServer(missing=missing, world_size=4)
+        try:
+            VLLMServerEngine(s.url, (2,), sync="nccl", world_size=1, broadcaster=broadcaster).sync_weights(_Tiny())
+            assert groups[-1] == expect
+            assert s.posts("/init_weight_transfer_engine")[0]["init_info"]["world_size"] == expect
+        finally:
+            s.close()
+
+
 def test_rendezvous_address_is_loopback_only_for_a_local_server():
     assert rendezvous_address("http://localhost:8000") == rendezvous_address("http://127.0.0.1:8000") == "127.0.0.1"
     import ipaddress
@@ -311,6 +389,8 @@ def test_factory_refuses_what_cannot_run(tmp_path):
         except ImportError:
             with pytest.raises(ConfigError, match="actloop\\[vllm\\]"):
                 make_engine(load_config(None, ["rollout.engine=vllm"]), models, renderer)
+            with pytest.raises(ConfigError, match="vllm_server_sync=nccl needs vLLM"):  # before any GPU time is spent
+                make_engine(load_config(None, ["rollout.engine=vllm-server"]), models, renderer)
     with pytest.raises(ConfigError, match="lora.enabled"):
         make_engine(load_config(None, ["rollout.engine=vllm-server", "rollout.vllm_server_sync=lora"]), models, renderer)
 
