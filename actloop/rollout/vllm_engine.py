@@ -455,13 +455,17 @@ class VLLMServerEngine:
             self._post("/reset_prefix_cache", optional=True)
 
     def _server_world_size(self) -> int:
-        """The server's worker count (TP x PP x DP) from GET /get_world_size where it has the
-        route (a wrong NCCL group size hangs both ends), else the configured one."""
+        """The server's worker count (TP x PP x DP) from GET /get_world_size (a wrong NCCL group
+        size hangs both ends); the configured one only if the answer lacks it. vLLM registers
+        that route with its weight-transfer routes, so a 404 here means the NCCL rendezvous
+        would wait for a server that never joins: refused with the fix instead."""
         try:
             answer = self._get("/get_world_size")
         except HTTPError as e:
             if e.status == 404:
-                return self.world_size
+                raise RuntimeError(f"vLLM server {self.base_url} has no weight-transfer routes (/get_world_size "
+                                   "answered 404): start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                                   "'{\"backend\": \"nccl\"}' (see docs/engines.md)") from None
             raise
         return int(answer["world_size"]) if isinstance(answer, dict) and "world_size" in answer else self.world_size
 

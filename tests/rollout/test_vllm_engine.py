@@ -348,21 +348,28 @@ def test_server_nccl_sync_posts_metadata_while_broadcasting_in_order(server):
     assert len(server.posts("/finish_weight_update")) == 2  # /start_weight_update is 404 here: skipped
 
 
-def test_server_nccl_group_size_comes_from_the_server_when_it_says():
+def test_server_nccl_group_size_comes_from_the_server():
     groups = []
 
     def broadcaster(addr, port, world):
         groups.append(world)
         return lambda t: None
 
-    for missing, expect in (((), 5), (("/get_world_size",), 2)):  # the server says 4; else the configured 1
-        s = _FakeServer(missing=missing, world_size=4)
-        try:
-            VLLMServerEngine(s.url, (2,), sync="nccl", world_size=1, broadcaster=broadcaster).sync_weights(_Tiny())
-            assert groups[-1] == expect
-            assert s.posts("/init_weight_transfer_engine")[0]["init_info"]["world_size"] == expect
-        finally:
-            s.close()
+    s = _FakeServer(world_size=4)
+    try:
+        VLLMServerEngine(s.url, (2,), sync="nccl", world_size=1, broadcaster=broadcaster).sync_weights(_Tiny())
+        assert groups == [5] and s.posts("/init_weight_transfer_engine")[0]["init_info"]["world_size"] == 5
+    finally:
+        s.close()
+    # without dev mode the RL routes 404: refused before the rendezvous would wait forever
+    s = _FakeServer(missing=("/get_world_size", "/init_weight_transfer_engine"))
+    try:
+        eng = VLLMServerEngine(s.url, (2,), sync="nccl", broadcaster=broadcaster)
+        with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
+            eng.sync_weights(_Tiny())
+        assert groups == [5] and s.posts("/init_weight_transfer_engine") == []
+    finally:
+        s.close()
 
 
 def test_rendezvous_address_is_loopback_only_for_a_local_server():
