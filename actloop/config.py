@@ -112,7 +112,9 @@ class RolloutConfig:
         "(adapter saved to vllm_adapter_dir and loaded via /v1/load_lora_adapter), `none`; `auto` = lora with LoRA, "
         "else nccl.",
     )
-    vllm_server_world_size: int = opt(1, "vllm-server: GPU workers of the server (TP x DP), for the NCCL group size.")
+    vllm_server_world_size: int = opt(
+        1, "vllm-server: GPU workers of the server (TP x DP) when its GET /get_world_size does not answer; the "
+        "NCCL group size normally comes from there.")
     vllm_nccl_port: int = opt(51216, "vllm-server: TCP port of the trainer-side NCCL rendezvous (rank 0).")
     vllm_adapter_dir: str = opt(
         "", "vllm, vllm-server with LoRA: directory the server can read where adapters are saved (default <output_dir>/vllm-adapters)."
