@@ -28,7 +28,7 @@ def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
     kind, r = cfg.rollout.engine, cfg.rollout
     if kind == "hf":
         return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
-                        precision=cfg.train.precision, weights="live" if models.lora else "copy")
+                        precision=cfg.train.precision, weights="copy")  # LoRA: merged into the bf16 copy
     if kind == "vllm":
         from actloop.models import resolve_model
         from actloop.rollout.vllm_engine import VLLMEngine

@@ -86,7 +86,7 @@ class RolloutWorker:
         self.renderer = Renderer(self.models.tokenizer)
         self.engine = HFEngine(self.models.policy, self.models.tokenizer, self.renderer.eos_token_ids,
                                self.renderer.stop_strings, precision=cfg.train.precision,
-                               weights="live" if self.models.lora else "copy")
+                               weights="copy")  # LoRA: merged into the bf16 copy at each sync
         self._task = None
 
     def ready(self) -> dict[str, Any]:

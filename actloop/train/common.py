@@ -52,9 +52,10 @@ class Run:
         self.run_dir: Path = make_run_dir(cfg)
         print_fn(f"run directory: {self.run_dir}")
         self.task: Task = task if task is not None else eval_task(cfg)
-        self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference)
+        self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference,
+                                          attn_implementation=cfg.train.attn_implementation)
         self.renderer = Renderer(self.models.tokenizer)
-        # the same engine as the GRPO loop (its own bf16 copy, or the live LoRA module), so that
+        # the same engine as the GRPO loop (its own bf16 copy, LoRA merged in), so that
         # eval_before of every algorithm on one model is the same number
         self.engine = make_engine(cfg, self.models, self.renderer)
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")

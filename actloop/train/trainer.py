@@ -243,7 +243,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
     print_fn(f"run directory: {run_dir}")
     task: Task = build_task(cfg)
-    models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0)
+    models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
+                         attn_implementation=cfg.train.attn_implementation)
     if ckpt is not None:
         ckpt.load_policy(models.policy)  # before the engine copies the weights
     renderer = Renderer(models.tokenizer)

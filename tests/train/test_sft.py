@@ -135,7 +135,8 @@ def test_sft_on_calculator_gold_traces_lowers_the_loss(tmp_path, one_thread):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in lines)
     # the same two traces three times: the loss on their assistant tokens must fall
     losses = [r["loss"] for r in lines]
-    assert losses[2] < losses[1] < losses[0], losses
+    # down from the first epoch; by the last ones the loss sits near 2e-4, where an epoch may tie or tick up
+    assert losses[-1] < 0.1 * losses[0], losses
     assert res.summary["sft_data"]["conversations"] == 2
     assert lines[0]["tokens"] == res.summary["sft_data"]["assistant_tokens"]  # mask tokens only, both traces
     assert (res.run_dir / "final" / "config.json").exists()
