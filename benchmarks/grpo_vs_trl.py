@@ -218,7 +218,7 @@ def launch(a, framework: str, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--child", framework, "--mode", mode] + [
         x for k in ("steps", "prompts", "group", "max_new_tokens", "precision", "threads", "lr", "beta",
                     "temperature", "seed") for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
-    if a.gradient_checkpointing:
+    if a.gradient_checkpointing or (framework == "trl" and a.trl_gradient_checkpointing):
         cmd.append("--gradient-checkpointing")
     for o in a.actloop_override:
         cmd += ["--actloop-override", o]
@@ -255,6 +255,8 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gradient-checkpointing", action="store_true", help="on for both (TRL's own default is on)")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="on for TRL only: TRL's out-of-the-box GRPOConfig (its default), actloop's default off")
     ap.add_argument("--mode", choices=["full", "lora", "both"], default="both")
     ap.add_argument("--only", choices=["actloop", "trl"], default=None)
     ap.add_argument("--repeats", type=int, default=1, help="back-to-back repeats of each pair")

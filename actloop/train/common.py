@@ -20,6 +20,7 @@ from actloop.monitor.metrics import JsonlSink, mean
 from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
 from actloop.train.evaluate import evaluate
+from actloop.train.optim import adamw
 from actloop.train.trainer import RunResult, make_run_dir
 
 
@@ -65,7 +66,7 @@ class Run:
     def optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
         t = self.cfg.train
         params = [p for p in self.models.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        opt = adamw(params, t.lr, t.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / t.warmup_steps) if t.warmup_steps else 1.0)
         return opt, sched

@@ -37,6 +37,7 @@ from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classif
 from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
+from actloop.train.optim import adamw
 from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
 
@@ -256,7 +257,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
     if critic is not None:
         param_groups.append({"params": list(critic.parameters()), "lr": cfg.ppo.critic_lr})
-    optimizer = torch.optim.AdamW(param_groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = adamw(param_groups, cfg.train.lr, cfg.train.weight_decay, fused=not dist.active)
     # IS correction is on by default when the engine samples from its own copy of the weights
     correction = cfg.correction.mode
     if correction == "auto":
