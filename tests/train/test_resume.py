@@ -238,6 +238,7 @@ def test_graceful_stop_first_signal_asks_second_aborts():
     from actloop.train.interrupt import GracefulStop
 
     said = []
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under nohup / `&`
     with GracefulStop(said.append) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
@@ -245,7 +246,7 @@ def test_graceful_stop_first_signal_asks_second_aborts():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the old handler is back
+    assert signal.getsignal(signal.SIGINT) is before  # the old handler is back
 
 
 def test_graceful_stop_survives_a_print_that_raises_in_the_handler(capfd):
