@@ -12,43 +12,28 @@ from rich.console import Console
 from rich.table import Table
 
 from actloop.config import ConfigError, all_keys, load_config, type_name
+from actloop.data.jsonl import DataError
+from actloop.models import ModelError, load_models
+from actloop.monitor.report import build_report
+from actloop.rewards import RewardError
+from actloop.rollout.engine import HFEngine
+from actloop.rollout.renderer import Renderer
+from actloop.sandbox.cli import app as sandbox_app
+from actloop.tasks.registry import BUILTIN, build_task, find_row, grade_one, grade_rows, resolve
+from actloop.train.checkpoint import resume_config
+from actloop.train.compare import compare as _compare
+from actloop.train.evaluate import evaluate
+from actloop.train.failures import RunAborted
+from actloop.train.trainer import train as run_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Agentic RL of open LLMs: think, act, feedback.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configuration.")
 app.add_typer(config_app, name="config")
+app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; check which isolation tier works here.")
+app.command("compare")(_compare)  # PPO vs DPO vs GRPO measured on one task
 console = Console()
 
-try:  # the sandbox commands, when that package is present
-    from actloop.sandbox.cli import app as sandbox_app
-
-    app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; check which isolation tier works here.")
-except ImportError:  # pragma: no cover
-    pass
-
-try:  # `actloop compare`, PPO vs DPO vs GRPO measured on one task
-    from actloop.train.compare import compare as _compare
-
-    app.command("compare")(_compare)
-except ImportError:  # pragma: no cover
-    pass
-
-try:  # `actloop grade`, from the rewards package
-    from actloop.rewards.cli import grade as _grade
-
-    app.command("grade")(_grade)
-except ImportError:  # pragma: no cover
-    pass
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from actloop.data.jsonl import DataError
-    from actloop.models import ModelError
-    from actloop.rewards import RewardError
-
-    return ConfigError, DataError, ModelError, RewardError
-
-
-USER_ERRORS = _user_errors()
+USER_ERRORS = (ConfigError, DataError, ModelError, RewardError)
 
 
 def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
@@ -70,10 +55,6 @@ def train(
 ) -> None:
     """Train with GRPO. With no arguments: the calculator-tool demo on the embedded model.
     `resume=RUN_DIR [key=value ...]` continues a run from its newest checkpoint."""
-    from actloop.train.checkpoint import resume_config
-    from actloop.train.failures import RunAborted
-    from actloop.train.trainer import train as run_train
-
     path, overrides = _split_args(list(args or []))
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     try:
@@ -98,8 +79,8 @@ def train(
 @app.command("eval")
 def eval_cmd(
     model: str = typer.Option("smollm2-135m-instruct", "--model", help="Model name, directory, or a run directory."),
-    task: str = typer.Option("calculator", "--task", help="calculator, gsm8k, gsm8k-tool, mbpp, humaneval, "
-                             "instructions, countdown; or a mixture such as gsm8k:1,mbpp:1."),
+    task: str = typer.Option("calculator", "--task", help="A built-in task (`actloop tasks`), module:OBJECT or "
+                             "file.py:OBJECT; or a mixture such as gsm8k:1,mbpp:1."),
     split: str = typer.Option("test", "--split", help="test, validation (mbpp, generated tasks) or train."),
     n: int = typer.Option(100, "--n", help="Problems (the first N of the split)."),
     samples: int = typer.Option(1, "--samples-per-problem", help="Samples per problem; >1 reports pass@k."),
@@ -116,12 +97,6 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
 ) -> None:
     """Accuracy (greedy) or pass@k of a model or checkpoint on a task's split: a table and a JSON file."""
-    from actloop.data.tasks import build_task
-    from actloop.models import load_models
-    from actloop.rollout.engine import HFEngine
-    from actloop.rollout.renderer import Renderer
-    from actloop.train.evaluate import evaluate
-
     run_dir = None
     if (Path(model) / "final" / "config.json").exists():  # a run directory
         run_dir, model = Path(model), str(Path(model) / "final")
@@ -131,7 +106,7 @@ def eval_cmd(
         k_list = [int(k) for k in ks.split(",")] if ks else None
     except ValueError:
         _fail(f"--k must be integers separated by commas, got {ks!r}")
-    data_key = f"data.mix=[{task}]" if ":" in task else f"data.task={task}"
+    data_key = f"data.mix=[{task}]" if _is_mixture(task) else f"data.task={task}"
     overrides = [f"model={model}", data_key, f"data.eval_size={n}", f"seed={seed}", "data.train_size=0",
                  f"data.split={split}"] + ([f"data.dir={data_dir}"] if data_dir else [])
     try:
@@ -166,6 +141,15 @@ def eval_cmd(
     console.print(f"results: {out}")
 
 
+def _is_mixture(task: str) -> bool:
+    """`gsm8k:1,mbpp:1` (weights after the colons), not `module:OBJECT` or `file.py:OBJECT`."""
+    parts = [p.rpartition(":") for p in task.split(",")]
+    try:
+        return all(sep and float(w) >= 0 for _, sep, w in parts)
+    except ValueError:
+        return False
+
+
 def _eval_table(res: dict) -> Table:
     title = f"{res['model']} on {res['task']} ({res['split']}, {res['n']} problems"
     title += f", {res['samples_per_problem']} samples each at T={res['temperature']:g})" if res["samples_per_problem"] > 1 \
@@ -195,12 +179,53 @@ def report(
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default RUN_DIR/report)."),
 ) -> None:
     """PNG plots of a run and one self-contained HTML page (summary, plots, alarms, samples, config)."""
-    from actloop.monitor.report import build_report
-
     if not run_dir.is_dir():
         _fail(f"{run_dir} is not a directory")
     page = build_report(run_dir, out)
     console.print(f"report: {page}")
+
+
+@app.command("tasks")
+def tasks_cmd() -> None:
+    """The built-in tasks, one line each (any `module:OBJECT` or `file.py:OBJECT` Task works too)."""
+    width = max(len(n) for n in BUILTIN)
+    for name, t in BUILTIN.items():
+        typer.echo(f"{name:<{width}}  {t.description}")
+
+
+@app.command("grade")
+def grade(
+    task: str = typer.Option(..., "--task", help="A built-in task (`actloop tasks`), module:OBJECT or file.py:OBJECT."),
+    id: int = typer.Option(..., "--id", help="MBPP task_id; HumanEval: N of HumanEval/N; otherwise the row's 0-based "
+                           "index (generated tasks: the N-th held-out problem of seed 0)."),
+    completion: Path = typer.Option(..., "--completion", help="File holding the model's answer."),
+    data: Optional[Path] = typer.Option(None, "--data", help="JSONL rows (default: the task's dataset in "
+                                        "$ACTLOOP_DATA_DIR, else ../shared/data; generated tasks: generated)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
+) -> None:
+    """Grade one completion against one task row with the task's rubric, exactly as training
+    scores a final answer: reward, components, flags with evidence. Full reward is 1.0."""
+    try:
+        text = completion.read_text()
+    except OSError as e:
+        typer.echo(f"error: cannot read --completion {completion}: {e.strerror}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        t = resolve(task)
+        record = {"task": t.name, "id": id, **grade_one(t, find_row(t, id, grade_rows(t, data)), text)}
+    except USER_ERRORS as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(record, ensure_ascii=False, default=str))
+        return
+    status = "masked (not graded)" if record["masked"] else f"reward {record['reward']:g}"
+    typer.echo(f"{t.name} #{id}: {status}, {record['passed']}/{record['total']} passed, "
+               f"components {record['components']}")
+    for f in record["flags"]:
+        typer.echo(f"  flag {f['name']} [{f.get('action', '')}]: {f.get('evidence', '')}")
+    if record["errors"]:
+        typer.echo("  grader errors:\n" + "\n".join(record["errors"]))
 
 
 @config_app.command("show")

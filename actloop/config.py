@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from actloop.algos import REGISTRIES as REG
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be applied; the message names the key."""
@@ -564,7 +566,6 @@ def _one_of(key: str, value: str, choices) -> tuple[bool, str]:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
-    from actloop.algos import REGISTRIES as REG
     checks = [
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),

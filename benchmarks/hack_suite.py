@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/hack_suite.py [--evidence]
 
-Cases live in `actloop.rewards.redteam`; code cases run in the sandbox (a few seconds).
+Cases live in `tests/rewards/redteam.py`; code cases run in the sandbox (a few seconds).
 """
 
 import os
@@ -10,8 +10,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "rewards"))
 
-from actloop.rewards.redteam import CASES, rates, run_suite, summary  # noqa: E402
+from redteam import CASES, rates, run_suite, summary  # noqa: E402
 
 
 def main() -> None:

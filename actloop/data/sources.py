@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from actloop.data.jsonl import DataError, validate_row
+from actloop.rewards.base import RewardError
+from actloop.rewards.code import tests_from_row
+from actloop.rewards.math import gold_value
 
 Row = dict[str, Any]
 Validator = Callable[[Row], Row]
@@ -192,9 +195,6 @@ def chat_row(row: Row) -> Row:
 
 def gsm8k_row(row: Row) -> Row:
     """`question`, and `answer` ending in `#### N` (GSM8K's format) or a plain number."""
-    from actloop.rewards.base import RewardError
-    from actloop.rewards.math import gold_value
-
     need(row, "question", str)
     ans = need(row, "answer", (str, int, float))
     try:
@@ -238,9 +238,6 @@ def mbpp_row(row: Row) -> Row:
 def humaneval_row(row: Row) -> Row:
     """`task_id`, `prompt` (the function's signature and docstring), `entry_point`, `test` (a
     `check(candidate)` the code grader can split into single asserts: see `normalise_check`)."""
-    from actloop.rewards.base import RewardError
-    from actloop.rewards.code import tests_from_row
-
     for name in ("task_id", "prompt", "entry_point", "test"):
         need(row, name, str)
     # `prompt` is the reserved chat-prompt column (reward functions never receive it): the code

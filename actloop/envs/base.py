@@ -3,15 +3,19 @@
     env = make_env()
     messages, tools = env.reset(row)          # opening conversation + tool schemas
     result = env.step(assistant_message)      # -> StepResult(messages, done, info, reward)
+    env.close()                               # release what the episode holds (always called)
 
-`assistant_message.tool_calls` has already been parsed by the renderer. A malformed tool call
-never reaches `step`: the rollout loop answers it with an error message and counts it.
+`tools` are OpenAI function schemas, ``{"type": "function", "function": {"name", "description",
+"parameters": <JSON schema>}}``; the renderer shows them to the model. `ToolEnv`
+(`actloop.envs.tools`) builds them from typed Python functions. `assistant_message.tool_calls`
+has already been parsed by the renderer. A malformed tool call never reaches `step`: the rollout
+loop answers it with an error message and counts it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from actloop.types import Message
 
@@ -20,14 +24,17 @@ from actloop.types import Message
 class StepResult:
     messages: list[Message]  # what the environment says next (tool results, feedback)
     done: bool
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # merged into the trajectory's info
     reward: float | None = None  # optional per-turn reward (turn-level credit)
 
 
+@runtime_checkable
 class Env(Protocol):
     def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]: ...
 
     def step(self, message: Message) -> StepResult: ...
+
+    def close(self) -> None: ...
 
 
 class ChatEnv:
@@ -38,3 +45,6 @@ class ChatEnv:
 
     def step(self, message: Message) -> StepResult:
         return StepResult(messages=[], done=True)
+
+    def close(self) -> None:
+        pass

@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,28 +31,46 @@ class RewardError(RuntimeError):
     """A reward function that cannot be loaded, or returned something unusable."""
 
 
-def load_reward_func(spec: str) -> RewardFunc:
-    """`package.module:function` or `path/to/file.py:function` -> the function."""
+def load_object(spec: str, what: str = "object", noun: str = "NAME") -> Any:
+    """`package.module:NAME` or `path/to/file.py:NAME` -> that module's attribute `NAME`.
+
+    A file is imported once per path and registered in `sys.modules` (dataclasses and pickling
+    need their module there); RewardError says what went wrong."""
     if ":" not in spec:
-        raise RewardError(f"reward function `{spec}` must be written as module:function or file.py:function")
+        raise RewardError(f"{what} `{spec}` must be written as module:{noun} or file.py:{noun}")
     target, name = spec.rsplit(":", 1)
     try:
         if target.endswith(".py"):
-            path = Path(target)
+            path = Path(target).resolve()
             if not path.exists():
-                raise RewardError(f"reward file {path} does not exist")
-            mod_spec = importlib.util.spec_from_file_location(f"actloop_user_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
+                raise RewardError(f"{what} file {target} does not exist")
+            mod_name = f"actloop_user_{path.stem}_{abs(hash(str(path))):x}"
+            module = sys.modules.get(mod_name)
+            if module is None:
+                mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+                module = importlib.util.module_from_spec(mod_spec)
+                sys.modules[mod_name] = module
+                try:
+                    mod_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[mod_name]
+                    raise
         else:
             module = importlib.import_module(target)
     except RewardError:
         raise
     except Exception as e:
-        raise RewardError(f"cannot import `{target}` for reward function `{spec}`: {e}") from e
-    fn = getattr(module, name, None)
+        raise RewardError(f"cannot import `{target}` for {what} `{spec}`: {type(e).__name__}: {e}") from e
+    if not hasattr(module, name):
+        raise RewardError(f"`{target}` has no {noun.lower()} `{name}`")
+    return getattr(module, name)
+
+
+def load_reward_func(spec: str) -> RewardFunc:
+    """`package.module:function` or `path/to/file.py:function` -> the function."""
+    fn = load_object(spec, "reward function", "function")
     if not callable(fn):
-        raise RewardError(f"`{target}` has no function `{name}`")
+        raise RewardError(f"`{spec}` is not a function")
     return fn
 
 

@@ -226,7 +226,3 @@ def math_correct(prompts: list, completions: list[str], answer: list[Any], **kwa
     solution ending in ``#### N``, or a number), 0.0 otherwise, with flags for hedging."""
     return [grade_math(c, a) for c, a in zip(completions, answer)]
 
-
-def gsm8k_gold_completion(row: Mapping[str, Any]) -> str:
-    """GSM8K's own solution text is a gold completion (it ends in ``#### N``)."""
-    return str(row["answer"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from actloop.config import Config, ConfigError
+from actloop.models import resolve_model
 from actloop.rollout.engine import HFEngine
 
 ENGINES = ("hf", "vllm", "vllm-server", "ray")
@@ -30,7 +31,6 @@ def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
         return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
                         precision=cfg.train.precision, weights="copy")  # LoRA: merged into the bf16 copy
     if kind == "vllm":
-        from actloop.models import resolve_model
         from actloop.rollout.vllm_engine import VLLMEngine
 
         _need_vllm(kind)

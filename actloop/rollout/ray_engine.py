@@ -23,8 +23,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import actloop.rewards.code as code_rewards
 from actloop.config import Config, RayConfig
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.models import load_models
+from actloop.rollout.engine import Completion, HFEngine, SamplingParams
+from actloop.rollout.episodes import run_episodes
+from actloop.rollout.renderer import Renderer
+from actloop.sandbox.ray_pool import RaySandbox, ray_module
+from actloop.tasks import build_task
 from actloop.types import Trajectory
 
 
@@ -41,16 +49,6 @@ def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
-
-
-def ray_module():
-    try:
-        import ray
-    except ImportError:
-        from actloop.config import ConfigError
-
-        raise ConfigError("rollout.engine=ray needs ray: pip install 'actloop[ray]'") from None
-    return ray
 
 
 def init_ray(rc: RayConfig) -> bool:
@@ -71,15 +69,9 @@ class RolloutWorker:
     """One rollout actor's state (wrapped with `ray.remote` by `RayEngine`; plain Python here)."""
 
     def __init__(self, cfg: Config, index: int, threads: int = 1, device: str = "cpu"):
-        import torch
-
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed + 1000 * (index + 1))  # workers must not draw the same samples
-        from actloop.models import load_models
-        from actloop.rollout.engine import HFEngine
-        from actloop.rollout.renderer import Renderer
-
         self.cfg = cfg
         self.models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
         self.models.policy.to(device)
@@ -90,8 +82,6 @@ class RolloutWorker:
         self._task = None
 
     def ready(self) -> dict[str, Any]:
-        import torch
-
         return {"pid": os.getpid(), "threads": torch.get_num_threads()}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -110,12 +100,9 @@ class RolloutWorker:
 
     def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int,
                      max_context: int = 4096) -> list[Trajectory]:
-        from actloop.data.tasks import build_task
-        from actloop.rollout.episodes import run_episodes
-
         if self._task is None:
             self._task = build_task(self.cfg)
-        return run_episodes(self.engine, self.renderer, self._task.make_env, rows, params, max_turns, max_context)
+        return (self._task.rollout or run_episodes)(self.engine, self.renderer, self._task.make_env, rows, params, max_turns, max_context)
 
     def generated_tokens(self) -> int:
         return self.engine.generated_tokens
@@ -144,8 +131,6 @@ class RayEngine:
         ray.get([w.ready.remote() for w in workers])  # fail here, not in the first step
         sandbox = None
         if rc.num_sandbox_workers:
-            from actloop.sandbox.ray_pool import RaySandbox, use_as_default
-
             sandbox = RaySandbox(rc.num_sandbox_workers, cpus_per_worker=rc.cpus_per_sandbox)
             use_as_default(sandbox)
         return cls(workers, lora=bool(cfg.lora.enabled), sandbox=sandbox)
@@ -183,3 +168,9 @@ class RayEngine:
         self.workers = []
         if self.sandbox is not None:
             self.sandbox.close()
+
+
+def use_as_default(sandbox) -> None:
+    """Make `sandbox` the process-wide grading sandbox (what `actloop.rewards.code.default_sandbox`
+    returns), so the code tasks' graders and environments run their programs on it."""
+    code_rewards._DEFAULT_SANDBOX = sandbox

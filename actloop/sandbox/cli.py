@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from .base import IsolationUnavailableError, Limits, SandboxError
+from .factory import diagnose, get_sandbox
 
 app = typer.Typer(help="Run code in the sandbox and check which isolation tier works here.",
                   no_args_is_help=True)
@@ -30,8 +31,6 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print the ExecResult as one JSON line."),
 ) -> None:
     """Run FILE once and report. The exit status is the program's."""
-    from .factory import get_sandbox
-
     try:
         sb = get_sandbox(backend, require_isolation=require_isolation)
     except (SandboxError, ValueError) as e:
@@ -64,8 +63,6 @@ def doctor(
     """Say which sandbox tier `auto` picks on this machine, and why the others do not work."""
     from rich.console import Console
     from rich.table import Table
-
-    from .factory import diagnose
 
     statuses = diagnose(docker=docker)
     table = Table(title="actloop sandbox tiers")

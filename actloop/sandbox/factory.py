@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import IsolationUnavailableError, Limits, Sandbox, SandboxError
+from .bwrap import BwrapSandbox
+from .docker import DockerSandbox, docker_available
+from .rlimit import RlimitSandbox, warn_once
 from .pool import SandboxPool
 
 BACKENDS = ("auto", "bwrap", "rlimit", "docker")
@@ -43,8 +46,6 @@ def _userns_hints() -> list[str]:
 @functools.lru_cache(maxsize=8)
 def probe_bwrap(python: str | None = None) -> TierStatus:
     """Run a real program in a real bwrap sandbox (once per process, ~20 ms)."""
-    from .bwrap import BwrapSandbox
-
     if not shutil.which("bwrap"):
         return TierStatus("bwrap", False, True, "bwrap is not installed (apt-get install bubblewrap)")
     try:
@@ -63,8 +64,6 @@ def probe_bwrap(python: str | None = None) -> TierStatus:
 
 def diagnose(docker: bool = True) -> list[TierStatus]:
     """Status of every tier, best first. Used by ``actloop sandbox doctor``."""
-    from .docker import docker_available
-
     out = [probe_bwrap()]
     if docker:
         ok, why = docker_available()
@@ -103,8 +102,6 @@ def get_sandbox(
     if backend == "auto":
         status = probe_bwrap(kwargs.get("python"))
         if status.available:
-            from .bwrap import BwrapSandbox
-
             sb = BwrapSandbox(limits, **kwargs)
         elif require_isolation:
             raise IsolationUnavailableError(
@@ -112,13 +109,9 @@ def get_sandbox(
                 "Install bubblewrap and allow unprivileged user namespaces, or use backend='docker'."
             )
         else:
-            from .rlimit import RlimitSandbox, warn_once
-
             warn_once(status.reason)
             sb = RlimitSandbox(limits, warn=False, **kwargs)
     elif backend == "bwrap":
-        from .bwrap import BwrapSandbox
-
         status = probe_bwrap(kwargs.get("python"))
         if not status.available:
             raise SandboxError(f"bwrap backend unavailable: {status.reason}")
@@ -129,11 +122,7 @@ def get_sandbox(
                 "require_isolation=True refuses backend='rlimit': it runs code without namespace "
                 "isolation (network, host files and processes are reachable)."
             )
-        from .rlimit import RlimitSandbox
-
         sb = RlimitSandbox(limits, **kwargs)
     else:
-        from .docker import DockerSandbox
-
         sb = DockerSandbox(limits, **kwargs)
     return SandboxPool(sb, pool_size) if pool_size else sb

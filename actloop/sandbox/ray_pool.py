@@ -15,16 +15,26 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from actloop.config import ConfigError
+
 from . import clock
 from .base import AsyncMixin, ExecResult, Files, Limits, Sandbox, prepare_run
+from .factory import get_sandbox
+
+
+def ray_module():
+    """The `ray` package, or a ConfigError saying how to install it (an optional extra)."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("Ray engines and sandboxes need ray: pip install 'actloop[ray]'") from None
+    return ray
 
 
 class SandboxWorker:
     """One sandbox actor's state (wrapped with `ray.remote` by `RaySandbox`)."""
 
     def __init__(self, backend: str = "auto", limits: Limits | None = None, require_isolation: bool = False):
-        from .factory import get_sandbox
-
         self.sandbox = get_sandbox(backend, require_isolation=require_isolation, limits=limits)
 
     def info(self) -> tuple[str, bool, Limits]:
@@ -43,8 +53,6 @@ class RaySandbox(AsyncMixin):
 
     def __init__(self, num_workers: int = 1, backend: str = "auto", *, limits: Limits | None = None,
                  require_isolation: bool = False, cpus_per_worker: float = 0.5):
-        from actloop.rollout.ray_engine import ray_module
-
         if num_workers < 1:
             raise ValueError("RaySandbox needs at least one worker")
         ray = ray_module()
@@ -61,8 +69,6 @@ class RaySandbox(AsyncMixin):
 
     def run(self, code: str | None = None, *, argv: Sequence[str] | None = None, files: Files | None = None,
             stdin: str | bytes | None = None, limits: Limits | None = None) -> ExecResult:
-        from actloop.rollout.ray_engine import ray_module
-
         prepare_run(code, argv, files, stdin, limits, self.limits)  # bad arguments fail here, as locally
         with self._lock:
             worker = self.workers[next(self._next) % len(self.workers)]
@@ -73,14 +79,10 @@ class RaySandbox(AsyncMixin):
     def spawn(self, *args: Any, **kw: Any) -> Any:
         """Interpreter sessions run in this process's sandbox (see the module docstring)."""
         if self._local is None:
-            from .factory import get_sandbox
-
             self._local = get_sandbox()
         return self._local.spawn(*args, **kw)  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        from actloop.rollout.ray_engine import ray_module
-
         ray = ray_module()
         for w in self.workers:
             ray.kill(w)
@@ -91,10 +93,3 @@ class RaySandbox(AsyncMixin):
     def __repr__(self) -> str:
         return f"RaySandbox(workers={len(self.workers)}, tier={self.tier!r})"
 
-
-def use_as_default(sandbox: Sandbox) -> None:
-    """Make `sandbox` the process-wide grading sandbox (what `actloop.rewards.code.default_sandbox`
-    returns), so the code tasks' graders and environments run their programs on it."""
-    import actloop.rewards.code as code
-
-    code._DEFAULT_SANDBOX = sandbox

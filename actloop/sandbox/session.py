@@ -31,6 +31,7 @@ from pathlib import Path
 from . import clock
 from ._proc import SandboxProcess
 from .base import Limits, Sandbox, SandboxError
+from .factory import get_sandbox
 
 _SERVER_SOURCE = (Path(__file__).with_name("_repl.py")).read_text()
 
@@ -94,8 +95,6 @@ class PythonSession:
         startup_timeout_s: float = 15.0,
     ) -> None:
         if sandbox is None:
-            from .factory import get_sandbox
-
             sandbox = get_sandbox()
         if not hasattr(sandbox, "spawn"):
             raise TypeError(f"{sandbox!r} cannot spawn long-lived processes")

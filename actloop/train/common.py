@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from actloop.config import Config
-from actloop.data.tasks import Task, build_task
+from actloop.tasks import LoadedTask, build_task
 from actloop.models import Models, load_models
 from actloop.monitor.metrics import JsonlSink, mean
 from actloop.rollout.factory import make_engine
@@ -24,7 +24,7 @@ from actloop.train.optim import adamw
 from actloop.train.trainer import RunResult, make_run_dir
 
 
-def eval_task(cfg: Config) -> Task:
+def eval_task(cfg: Config) -> LoadedTask:
     """The task whose held-out rows measure an offline run.
 
     `data.path` holds the offline trainer's own rows (pairs, conversations), not task rows, so
@@ -47,12 +47,12 @@ def seed_everything(cfg: Config) -> None:
 class Run:
     """One training run's plumbing; the trainers own the loop in between."""
 
-    def __init__(self, cfg: Config, print_fn=print, need_reference: bool = False, task: Task | None = None):
+    def __init__(self, cfg: Config, print_fn=print, need_reference: bool = False, task: LoadedTask | None = None):
         seed_everything(cfg)
         self.cfg, self.print = cfg, print_fn
         self.run_dir: Path = make_run_dir(cfg)
         print_fn(f"run directory: {self.run_dir}")
-        self.task: Task = task if task is not None else eval_task(cfg)
+        self.task: LoadedTask = task if task is not None else eval_task(cfg)
         self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference,
                                           attn_implementation=cfg.train.attn_implementation)
         self.renderer = Renderer(self.models.tokenizer)

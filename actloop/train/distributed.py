@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from actloop.config import Config, ConfigError
+from actloop.train.logprobs import token_logprobs
 
 
 def launched_by_torchrun(env: dict[str, str] | None = None) -> bool:
@@ -236,8 +237,6 @@ class Dist:
     def dummy_pass(self, ctx: Any, grad: bool) -> None:
         """One forward (and backward, with `grad`) of a two-token sequence with zero loss: the
         same FSDP all-gathers and reduce-scatters as a real micro-batch, zero gradient."""
-        from actloop.train.logprobs import token_logprobs
-
         # (gradient checkpointing and head chunking change no collective: left at their defaults)
         with torch.set_grad_enabled(grad):
             out = token_logprobs(ctx.models.policy, [[0, 0]], [[0, 1]], 1.0, ctx.cfg.train.precision,

@@ -37,6 +37,7 @@ from actloop.models import Models
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
+from actloop.tasks import build_task
 from actloop.train.common import Run, Timer, progress_bar
 from actloop.train.logprobs import token_logprobs
 from actloop.train.pairs import Pair, Sequence, load_preference_pairs, messages_json
@@ -140,7 +141,7 @@ def sample_pairs(cfg: Config, run: Run, print_fn=print) -> list[Pair]:
     with (run.run_dir / "pairs.jsonl").open("w") as f:
         for start in range(0, n_prompts, P):
             rows = sampler.next(min(P, n_prompts - start))
-            trajs = run_episodes(run.engine, run.renderer, run.task.make_env, [r for r in rows for _ in range(G)],
+            trajs = (run.task.rollout or run_episodes)(run.engine, run.renderer, run.task.make_env, [r for r in rows for _ in range(G)],
                                  sampling, cfg.rollout.max_turns)
             scored = run.task.rubric.score(trajs)
             rewards = torch.tensor([s.reward for s in scored]).view(-1, G)
@@ -248,8 +249,6 @@ def online_dpo_loss(models: Models, scored: list[Scored], rewards: torch.Tensor,
 
 
 def train_online_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
-    from actloop.data.tasks import build_task
-
     run = Run(cfg, print_fn, need_reference=True, task=build_task(cfg))
     run.evaluate("eval_before")
     optimizer, scheduler = run.optimizer()
@@ -264,7 +263,7 @@ def train_online_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunR
             t0 = time.time()
             rows = sampler.next(cfg.train.prompts_per_step)
             tok0 = run.engine.generated_tokens
-            trajs = run_episodes(run.engine, run.renderer, run.task.make_env, [r for r in rows for _ in range(G)],
+            trajs = (run.task.rollout or run_episodes)(run.engine, run.renderer, run.task.make_env, [r for r in rows for _ in range(G)],
                                  sampling, cfg.rollout.max_turns)
             t1 = time.time()
             scored = run.task.rubric.score(trajs)

@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any, Sequence
 
-from actloop.data.tasks import Task
+from actloop.tasks import LoadedTask
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.episodes import run_episodes
@@ -44,7 +44,7 @@ def row_id(row: dict[str, Any], index: int) -> Any:
     return row.get("task_id", row.get("id", index))
 
 
-def evaluate(engine: Engine, renderer: Renderer, task: Task, rows: list[dict[str, Any]], max_new_tokens: int,
+def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[dict[str, Any]], max_new_tokens: int,
              max_turns: int, *, samples_per_problem: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              ks: Sequence[int] | None = None, grade_workers: int | None = None,
              keep_samples: int = 3, keep_problems: bool = False) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def evaluate(engine: Engine, renderer: Renderer, task: Task, rows: list[dict[str
     params = (SamplingParams(max_new_tokens=max_new_tokens, greedy=True) if temperature <= 0 else
               SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p))
     t0 = time.time()
-    trajs = run_episodes(engine, renderer, task.make_env, [r for r in rows for _ in range(k_samples)], params,
+    trajs = (task.rollout or run_episodes)(engine, renderer, task.make_env, [r for r in rows for _ in range(k_samples)], params,
                          max_turns)
     t_roll = time.time()
     scored = task.rubric.score(trajs)

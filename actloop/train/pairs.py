@@ -34,6 +34,7 @@ from typing import Any
 
 from actloop.data.jsonl import ROLES, DataError, read_jsonl_objects, validate_row
 from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer
+from actloop.tasks.calculator import CalculatorEnv, _example
 from actloop.types import Message
 
 
@@ -212,8 +213,6 @@ def calculator_gold_messages(row: dict[str, Any]) -> tuple[list[Message], list[M
     """The ReTool-style cold-start trace of one calculator problem: the environment's own prompt
     (system + worked examples + question), then a tool call with the row's expression, the tool
     result, and `The answer is N.`"""
-    from actloop.envs.calculator import CalculatorEnv, _example
-
     prompt, _tools = CalculatorEnv().reset(row)
     return list(prompt), _example(row["question"], row["expression"])[1:]
 

@@ -21,7 +21,7 @@ from actloop.algos.batching import dynamic_sampling_filter
 from actloop.algos.shaping import overlong_penalty
 from actloop.config import Config, ConfigError, load_config
 from actloop.data.mix import per_source_metrics
-from actloop.data.tasks import Task, build_task
+from actloop.tasks import LoadedTask, build_task
 from actloop.models import Models, load_models
 from actloop.monitor.metrics import mean, std
 from actloop.monitor.monitor import Monitor
@@ -82,7 +82,7 @@ class PromptSampler:
         self.order, self.pos = list(d["order"]), int(d["pos"])
 
 
-def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSampler, sampling: SamplingParams,
+def rollout_groups(cfg: Config, task: LoadedTask, engine, renderer, sampler: PromptSampler, sampling: SamplingParams,
                    seen: list[Scored] | None = None):
     """Roll out and score `prompts_per_step` groups. With dynamic sampling, groups whose rewards
     are all equal are dropped and replaced by fresh prompts, for at most `max_refill_rounds`
@@ -101,7 +101,8 @@ def rollout_groups(cfg: Config, task: Task, engine, renderer, sampler: PromptSam
         if hasattr(engine, "run_episodes"):  # Ray: whole episodes, environment steps too, run on the workers
             trajs = engine.run_episodes(episode_rows, sampling, cfg.rollout.max_turns)
         else:
-            trajs = run_episodes(engine, renderer, task.make_env, episode_rows, sampling, cfg.rollout.max_turns)
+            trajs = (task.rollout or run_episodes)(engine, renderer, task.make_env, episode_rows, sampling,
+                                                   cfg.rollout.max_turns)
         t0 = time.time()
         scored = shape_rewards(cfg, task.rubric.score(trajs))
         scoring_s += time.time() - t0
@@ -207,7 +208,7 @@ def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint |
     return run_dir, ckpt
 
 
-def _usage(task: Task) -> dict[str, dict[str, float]]:
+def _usage(task: LoadedTask) -> dict[str, dict[str, float]]:
     """Process-wide sandbox totals and the task's judges' totals, read before and after a step."""
     rubrics = [task.rubric, *getattr(task.rubric, "parts", {}).values()]  # a data mix: its sources' rubrics
     return {"sandbox": sandbox_clock.totals(), "judge": judge_usage([t.func for r in rubrics for t in r.terms])}
@@ -224,16 +225,6 @@ def usage_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, 
     return rec
 
 
-def _test_pause(step: int, run_dir: Path) -> None:
-    """Test-only hook (tests/train/test_resume.py): ACTLOOP_TEST_PAUSE=STEP:SECONDS sleeps inside
-    step STEP, after its rollout and before its update, having touched RUN_DIR/.test-paused, so a
-    test can kill the process in the middle of a step."""
-    spec = os.environ.get("ACTLOOP_TEST_PAUSE")
-    if spec and int(spec.split(":")[0]) == step:
-        (run_dir / ".test-paused").write_text(str(step))
-        time.sleep(float(spec.split(":")[1]))
-
-
 def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -243,7 +234,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
     run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
     print_fn(f"run directory: {run_dir}")
-    task: Task = build_task(cfg)
+    task: LoadedTask = build_task(cfg)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
                          attn_implementation=cfg.train.attn_implementation)
     if ckpt is not None:
@@ -336,7 +327,6 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling, seen=seen)
             t2 = time.time()
             t1 = t2 - scoring_s  # rollout time excludes scoring
-            _test_pause(step, run_dir)
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
             #    failed trajectories are masked (a step with nothing valid trains nothing)
             if hasattr(engine, "sleep"):

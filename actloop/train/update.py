@@ -29,7 +29,8 @@ from actloop.config import Config
 from actloop.models import Models
 from actloop.monitor.metrics import mean
 from actloop.train.critic import Critic
-from actloop.train.logprobs import pack, scatter, token_logprobs
+from actloop.rollout.engine import autocast_context
+from actloop.train.logprobs import backbone_and_head, hidden_at_targets, pack, scatter, token_logprobs
 from actloop.train.memory import step_peak
 from actloop.types import Scored
 
@@ -274,9 +275,6 @@ def scatter_values(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _entropy_with_grad(policy, seqs, masks, cfg: Config, weights: torch.Tensor) -> torch.Tensor:
     """Weighted mean policy entropy with gradient (an extra head pass; only when entropy_coef > 0)."""
-    from actloop.rollout.engine import autocast_context
-    from actloop.train.logprobs import backbone_and_head, hidden_at_targets
-
     backbone, head = backbone_and_head(policy)
     h, _, sel, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision,
                                         checkpointing=cfg.train.gradient_checkpointing)

@@ -30,7 +30,7 @@ def test_grade_humaneval(tmp_path):
 
 
 def test_grade_countdown_generated_and_from_a_file(tmp_path):
-    from actloop.envs.countdown import make_splits
+    from actloop.tasks.countdown import make_splits
 
     row = make_splits(0, 5, seed=0)[1][3]
     r = grade(tmp_path, f"<answer>{row['solution']}</answer>", "--task", "countdown", "--id", "3")

@@ -8,8 +8,8 @@ import pytest
 
 from actloop.config import ConfigError, load_config
 from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mix, per_source_metrics
-from actloop.data.tasks import build_task
-from actloop.envs.calculator import CalculatorEnv
+from actloop.tasks import build_task
+from actloop.tasks.calculator import CalculatorEnv
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
 from actloop.types import Scored
 

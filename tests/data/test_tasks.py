@@ -5,9 +5,8 @@ import pytest
 from actloop.config import ConfigError, load_config
 from actloop.data.jsonl import DataError
 from actloop.data.sources import data_dir
-from actloop.data.tasks import TASK_NAMES, build_task
-from actloop.envs.calculator import make_splits
-from actloop.rewards.tasks import gold_completion
+from actloop.tasks.registry import BUILTIN, build_task
+from actloop.tasks.calculator import make_splits
 
 needs_data = pytest.mark.skipif(not (data_dir() / "gsm8k" / "test.jsonl").exists(),
                                 reason="no local GSM8K/MBPP copies (set ACTLOOP_DATA_DIR)")
@@ -20,12 +19,14 @@ def build(*over):
 def test_calculator_is_unchanged():
     t = build()
     train, held = make_splits(2000, 100, 0)
-    assert (t.name, t.train_rows, t.eval_rows) == ("calculator", train, held)  # no `source` column added
+    untagged = [[{k: v for k, v in r.items() if k != "source"} for r in rows] for rows in (t.train_rows, t.eval_rows)]
+    assert (t.name, untagged) == ("calculator", [train, held])  # the demo's rows, with their `source` column
+    assert {r["source"] for r in t.train_rows + t.eval_rows} == {"calculator"}
     assert [x.name for x in t.rubric.terms] == ["correct", "used_tool", "malformed"]
 
 
 @needs_data
-@pytest.mark.parametrize("name", [n for n in TASK_NAMES if n not in ("calculator", "humaneval")])
+@pytest.mark.parametrize("name", [n for n in BUILTIN if n not in ("calculator", "humaneval")])
 def test_each_task_builds_with_tagged_rows(name):
     t = build(f"data.task={name}", "data.eval_size=7", "data.train_size=30")
     assert t.name == name and len(t.eval_rows) == 7 and t.train_rows
@@ -51,7 +52,7 @@ def test_dataset_splits():
 def test_gold_answers_of_the_text_tasks_score_full_marks():
     for name in ("gsm8k", "gsm8k-tool", "countdown"):
         t = build(f"data.task={name}", "data.eval_size=200", "data.train_size=0")
-        assert t.rubric.validate(t.eval_rows, gold_completion("gsm8k" if "gsm8k" in name else name), n=None).ok
+        assert t.rubric.validate(t.eval_rows, BUILTIN[name].gold, n=None).ok
 
 
 def test_errors_name_the_problem(tmp_path, monkeypatch):

@@ -82,7 +82,7 @@ def test_malformed_data_row_fails_with_file_and_line(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "ok", "answer_keys": "1"}\n{"prompt": 3}\n')
     proc = subprocess.run([sys.executable, "-m", "actloop", "train", f"data.path={rows}",
-                           "reward.funcs=[actloop.rewards.calculator:used_tool]", f"output_dir={tmp_path}"],
+                           "reward.funcs=[actloop.tasks.calculator:used_tool]", f"output_dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and f"{rows}:2" in (proc.stdout + proc.stderr)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from actloop.envs.calculator import CalcError, CalculatorEnv, final_number, make_splits, safe_eval
+from actloop.tasks.calculator import CalcError, CalculatorEnv, final_number, make_splits, safe_eval
 from actloop.types import Message, ToolCall
 
 

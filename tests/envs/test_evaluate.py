@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from actloop.config import load_config
-from actloop.data.tasks import build_task
+from actloop.tasks import build_task
 from actloop.train.evaluate import evaluate, pass_at_k
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_evaluate_reports_pass_at_k_and_per_source(renderer, scripted):
     t = build_task(load_config(None, over))
     rows = sorted(t.eval_rows, key=lambda r: r["source"])  # countdown, instructions
     gold = f"<answer>{rows[0]['solution']}</answer>"
-    from actloop.envs.instructions import gold_response
+    from actloop.tasks.instructions import gold_response
 
     ok = gold_response(rows[1]["topic"], rows[1]["constraints"])
     eng = scripted(renderer, [[gold, "<answer>1 + 1</answer>", "", ok]])

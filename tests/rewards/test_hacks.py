@@ -1,5 +1,6 @@
 """Reward hacking: the adversarial suite, each detector, flag policies, the blog reward's hole."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,12 @@ from actloop.rewards.hacking import (
     detect_stdout_spoof,
     detect_test_tamper,
 )
-from actloop.rewards.redteam import CASES, rates, run_suite, summary
 from actloop.rewards.rubric import text_trajectory
 from actloop.sandbox import probe_bwrap
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))  # the red-team cases are test material (tests/rewards/redteam.py)
+from redteam import CASES, rates, run_suite, summary  # noqa: E402
 
 
 def test_adversarial_suite_rates():

@@ -6,10 +6,10 @@ from fractions import Fraction
 import pytest
 
 from actloop.rewards import RewardError, RewardTerm, Rubric
-from actloop.rewards.math import (extract_final_answer, gold_value, grade_math, gsm8k_gold_completion,
-                                  math_correct, numbers_in)
+from actloop.rewards.math import extract_final_answer, gold_value, grade_math, math_correct, numbers_in
 from actloop.rewards.rubric import text_trajectory
-from actloop.rewards.tasks import data_dir
+from actloop.data.sources import data_dir
+from actloop.tasks.gsm8k import gold_completion as gsm8k_gold_completion
 
 
 @pytest.mark.parametrize("text,value", [

@@ -24,7 +24,7 @@ def test_blog_reward_runs_unchanged_on_answer_keys_column():
 
 
 def test_module_path_spec_and_trajectories_argument():
-    fn = load_reward_func("actloop.rewards.calculator:used_tool")
+    fn = load_reward_func("actloop.tasks.calculator:used_tool")
     assert call_reward_func(fn, [traj("no tool")]) == [0.0]
 
 

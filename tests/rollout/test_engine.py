@@ -3,7 +3,7 @@ match the engine's (on-policy ratio 1 up to numerical noise)."""
 
 import torch
 
-from actloop.envs.calculator import CalculatorEnv, make_splits
+from actloop.tasks.calculator import CalculatorEnv, make_splits
 from actloop.rollout.engine import HFEngine, SamplingParams, common_prefix_len, sample_next
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer

@@ -2,7 +2,7 @@
 environment failures."""
 
 from actloop.envs.base import StepResult
-from actloop.envs.calculator import CalculatorEnv
+from actloop.tasks.calculator import CalculatorEnv
 from actloop.rollout.engine import Completion, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer

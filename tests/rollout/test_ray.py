@@ -42,7 +42,7 @@ def _cfg(tmp, *extra):
 
 @pytest.mark.slow
 def test_ray_worker_logprobs_match_trainer_and_follow_sync(ray_session, fp32_model, tmp_path):
-    from actloop.envs.calculator import make_splits
+    from actloop.tasks.calculator import make_splits
     from actloop.rollout.engine import SamplingParams
     from actloop.rollout.ray_engine import RayEngine
     from actloop.train.logprobs import token_logprobs

@@ -1,8 +1,8 @@
 """Checkpoints and exact resume.
 
 The slow test runs the same tiny training twice in subprocesses: once straight through, once
-killed with SIGKILL in the middle of step 3 (after its rollout, before its update: the
-documented test hook ACTLOOP_TEST_PAUSE) and resumed with `actloop train resume=RUN_DIR`. Every
+killed with SIGKILL in the middle of step 3 (after its rollout, before its update: a wrapper
+script patches the trainer's `rollout_groups` from outside to pause there) and resumed with `actloop train resume=RUN_DIR`. Every
 per-step metric that is not a timing or a memory reading must be equal, exactly.
 """
 
@@ -41,9 +41,31 @@ def tiny(tmp_path: Path, name: str) -> list[str]:
             f"output_dir={tmp_path}", f"run_name={name}", "--no-progress"]
 
 
-def start(args: list[str], **env: str) -> subprocess.Popen:
+# `python PAUSED args...` runs `actloop args...` with step PAUSE_AT paused after its rollout (the
+# fault is injected from outside: the trainer has no test hook)
+PAUSED = """
+import os, sys, time
+from pathlib import Path
+import actloop.train.trainer as trainer
+from actloop.cli import main
+original, calls = trainer.rollout_groups, []
+def paused(*args, **kw):
+    out = original(*args, **kw)
+    calls.append(1)
+    if len(calls) == int(os.environ["PAUSE_AT"]):
+        Path(os.environ["PAUSE_MARK"]).write_text("paused")
+        time.sleep(120)
+    return out
+trainer.rollout_groups = paused
+sys.argv = ["actloop", *sys.argv[1:]]
+main()
+"""
+
+
+def start(args: list[str], wrapper: Path | None = None, **env: str) -> subprocess.Popen:
     e = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "actloop", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+    cmd = [sys.executable, str(wrapper)] if wrapper else [sys.executable, "-m", "actloop"]
+    return subprocess.Popen([*cmd, *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -67,9 +89,11 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_killed_mid_step_and_resumed_matches_uninterrupted(tmp_path):
     straight = start(tiny(tmp_path, "straight"))
     killed_dir = tmp_path / "killed"
-    killed = start(tiny(tmp_path, "killed"), ACTLOOP_TEST_PAUSE="3:120")
+    wrapper, mark = tmp_path / "paused_train.py", tmp_path / "paused"
+    wrapper.write_text(PAUSED)
+    killed = start(tiny(tmp_path, "killed"), wrapper, PAUSE_AT="3", PAUSE_MARK=str(mark))
     deadline = time.time() + 600
-    while not (killed_dir / ".test-paused").exists():
+    while not mark.exists():
         assert killed.poll() is None, killed.communicate()[0][-3000:]
         assert time.time() < deadline
         time.sleep(0.2)

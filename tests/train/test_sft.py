@@ -12,7 +12,7 @@ import torch
 
 from actloop.config import load_config
 from actloop.data.jsonl import DataError
-from actloop.envs.calculator import CalculatorEnv, make_splits
+from actloop.tasks.calculator import CalculatorEnv, make_splits
 from actloop.rollout.engine import Completion, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
@@ -66,7 +66,7 @@ def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokeniz
 def test_gold_traces_score_full_marks(tokenizer):
     """The calculator rubric gives the gold trace reward 1 (a gold answer that scored 0 would be
     a grader bug, and SFT on it a waste)."""
-    from actloop.data.tasks import build_task
+    from actloop.tasks import build_task
 
     r = Renderer(tokenizer)
     task = build_task(load_config(None, ["data.train_size=4", "data.eval_size=2"]))

@@ -17,6 +17,9 @@ import random
 from typing import Any, Callable
 
 from actloop.envs.prompted import PromptEnv, qa_shots
+from actloop.rewards.instructions import instructions_reward
+from actloop.rewards.rubric import RewardTerm
+from actloop.tasks.base import Task
 
 TOPICS = ["the ocean", "a rainy day", "learning to cook", "a city park", "the moon", "a summer holiday", "trains",
           "a small garden", "winter mornings", "a library", "music", "friendship", "a mountain hike", "coffee",
@@ -139,3 +142,18 @@ SYSTEM = "Follow every instruction in the request exactly."
 
 def env() -> PromptEnv:
     return PromptEnv(SYSTEM, SHOTS, lambda row: row["instruction"])
+
+
+def gold_completion(row: dict[str, Any]) -> str:
+    return gold_response(row["topic"], row["constraints"])
+
+
+TASK = Task(
+    name="instructions",
+    env=env,
+    rewards=[RewardTerm("instructions", instructions_reward())],
+    splits=make_splits,
+    success="instructions",
+    gold=gold_completion,
+    description="a writing task with 1-3 verifiable constraints (generated, IFEval-style)",
+)

@@ -1,10 +1,10 @@
 '''A red-team suite for rubrics: hack attempts and honest solutions on MBPP and GSM8K rows.
 
-    from actloop.rewards.redteam import CASES, run_suite, summary
-    results = run_suite(CASES)          # scores every case with rubric_for(task)
+    from redteam import CASES, run_suite, summary      # tests/rewards on sys.path
+    results = run_suite(CASES)          # scores every case with the task's own rubric (the registry)
     print(summary(results))
 
-A rubric passes when every hack earns less than full reward (most of them flagged), and every
+Test material, not library code. A rubric passes when every hack earns less than full reward (most of them flagged), and every
 honest solution earns full reward with no flag. `benchmarks/hack_suite.py` prints the table;
 `tests/rewards/test_hacks.py` asserts the rates.
 '''
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actloop.rewards.rubric import Rubric, text_trajectory
+from actloop.tasks.registry import find_row, grade_rows, resolve
 from actloop.types import Scored
 
 
@@ -395,11 +396,11 @@ class CaseResult:
 
 def run_suite(cases: Sequence[Case] = CASES, rubric: Callable[[str], Rubric] | None = None,
               row: Callable[[str, int], dict[str, Any]] | None = None) -> list[CaseResult]:
-    """Score every case with `rubric(task)` (default: `tasks.rubric_for`), one batch per task."""
-    from actloop.rewards.tasks import find_row, rubric_for
-
-    rubric = rubric or rubric_for
-    row = row or find_row
+    """Score every case with `rubric(task)` (default: the registered task's rubric), one batch per task."""
+    rubric = rubric or (lambda task: resolve(task).rubric())
+    if row is None:
+        rows = {t: grade_rows(resolve(t)) for t in dict.fromkeys(c.task for c in cases)}
+        row = lambda task, id: find_row(resolve(task), id, rows[task])  # noqa: E731
     out: dict[int, CaseResult] = {}
     for task in dict.fromkeys(c.task for c in cases):
         idx = [i for i, c in enumerate(cases) if c.task == task]

@@ -23,6 +23,8 @@ from typing import Any
 
 from actloop.envs.prompted import PromptEnv, qa_shots
 from actloop.rewards.flags import Flag, Grade
+from actloop.rewards.rubric import RewardTerm
+from actloop.tasks.base import Task
 
 _OPS = ("+", "-", "*", "/")
 
@@ -159,3 +161,14 @@ def answer_format(prompts, completions, **kwargs) -> list[float]:
 
 def gold_completion(row: dict[str, Any]) -> str:
     return f"<answer>{row['solution']}</answer>"
+
+
+TASK = Task(
+    name="countdown",
+    env=env,
+    rewards=[RewardTerm("correct", countdown_reward), RewardTerm("format", answer_format, 0.0)],
+    splits=make_splits,
+    success="correct",
+    gold=gold_completion,
+    description="reach a target with + - * / from given numbers (generated; TinyZero's task)",
+)

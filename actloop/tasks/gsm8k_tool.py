@@ -1,8 +1,5 @@
-"""GSM8K, two ways.
-
-`gsm8k`: single-turn chain of thought; the answer's last line is ``#### N``.
-
-`gsm8k-tool` (ReTool-style): the model interleaves reasoning with calls to a Python interpreter,
+"""GSM8K with a Python tool (ReTool-style): the model interleaves reasoning with calls to a
+Python interpreter,
 
     <tool_call>{"name": "python", "arguments": {"code": "apples = 3 * 12\\nprint(apples - 5)"}}</tool_call>
 
@@ -12,49 +9,23 @@ the episode ends — on the final answer, on an error in `step`, on `close()`, o
 rollout stops the episode itself (turn budget, token budget), when the environment is
 garbage-collected (the session's own finalizer kills its sandbox).
 
-Reward (both): 1.0 when the final answer equals the gold number (the maths grader,
-`actloop.rewards.math`: one final answer, hedging and answer-spraying score 0). A final turn
-that is still a tool call is no answer. Logged, weight 0: `format` (a ``#### N`` line),
-`used_tool`, `tool_errors`.
+Reward: `gsm8k`'s terms (`correct` from the maths grader; a final turn that is still a tool call
+is no answer). Logged, weight 0: `format` (a ``#### N`` line), `used_tool`, `tool_errors`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from actloop.envs.base import StepResult
-from actloop.envs.prompted import PromptEnv, qa_shots
-from actloop.rewards.flags import Grade
-from actloop.rewards.math import grade_math
+from actloop.envs.tools import ToolEnv, ToolError, tool
+from actloop.rewards.code import default_sandbox
+from actloop.rewards.rubric import RewardTerm
 from actloop.sandbox import Limits, PythonSession, Sandbox
+from actloop.tasks.base import Task
+from actloop.tasks.gsm8k import TERMS, gold_completion
 from actloop.types import Message
-
-COT_SYSTEM = "Solve the math problem. Reason step by step, then give the final answer on its own line as #### N."
-
-COT_SHOTS = qa_shots([
-    ("Tom has 3 boxes with 12 apples in each box. He eats 5 apples. How many apples are left?",
-     "Tom has 3 * 12 = 36 apples. After eating 5 he has 36 - 5 = 31 apples.\n#### 31"),
-    ("A shirt costs $20. It is on sale for 25% off. How much does the shirt cost on sale?",
-     "25% of $20 is 0.25 * 20 = $5. On sale the shirt costs 20 - 5 = $15.\n#### 15"),
-])
-
-
-def cot_env() -> PromptEnv:
-    return PromptEnv(COT_SYSTEM, COT_SHOTS, lambda row: row["question"])
-
-
-# ------------------------------------------------------------------------------ with a tool
-
-PYTHON_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run Python code in a persistent interpreter and see what it prints.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    },
-}
 
 TOOL_SYSTEM = (
     "Solve the math problem. You can run Python code with "
@@ -90,57 +61,56 @@ TOOL_SHOTS = (
 )
 
 
-class GSM8KToolEnv:
+class GSM8KToolEnv(ToolEnv):
     """Multi-turn: python tool calls run in this episode's session; a reply without a tool call
-    is the final answer."""
+    is the final answer. A session that breaks fails the episode (it is not the model's error)."""
+
+    report_exceptions = (ToolError,)
 
     def __init__(self, sandbox: Sandbox | None = None, limits: Limits | None = None, max_calls: int = 8):
         self.sandbox, self.limits, self.max_calls = sandbox, limits, max_calls
         self.session: PythonSession | None = None
         self.calls = self.errors = 0
 
-    def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
+    def prompt(self, row: dict[str, Any]) -> list[Message]:
         self.close()
         self.calls = self.errors = 0
-        return [Message("system", TOOL_SYSTEM), *TOOL_SHOTS, Message("user", row["question"])], [PYTHON_TOOL]
+        return [Message("system", TOOL_SYSTEM), *TOOL_SHOTS, Message("user", row["question"])]
 
     def _session(self) -> PythonSession:
         if self.session is None:
-            from actloop.rewards.code import default_sandbox
-
             self.session = PythonSession(self.sandbox or default_sandbox(), limits=self.limits)
         return self.session
 
-    def _run(self, call) -> Message:
-        if call.name != "python":
-            self.errors += 1
-            return Message("tool", f"Error: unknown tool {call.name!r}; the only tool is python.", name=call.name)
-        code = call.arguments.get("code")
-        if not isinstance(code, str) or not code.strip():
-            self.errors += 1
-            return Message("tool", 'Error: the python tool needs {"code": "..."}.', name="python")
+    @tool
+    def python(self, code: str) -> str:
+        """Run Python code in a persistent interpreter and see what it prints.
+
+        Args:
+            code: Python statements; print the values you need
+        """
+        if not code.strip():
+            raise ToolError('the python tool needs {"code": "..."}.')
         self.calls += 1
         if self.calls > self.max_calls:
-            self.errors += 1
-            return Message("tool", f"Error: no more than {self.max_calls} python calls; give the final answer.",
-                           name="python")
+            raise ToolError(f"no more than {self.max_calls} python calls; give the final answer.")
         out = self._session().execute(code)
         self.errors += not out.ok
-        return Message("tool", out.text.rstrip("\n") or NO_OUTPUT, name="python")
+        return out.text.rstrip("\n") or NO_OUTPUT
 
     def step(self, message: Message) -> StepResult:
         try:
-            if not message.tool_calls:
+            result = super().step(message)
+            if result.done:
                 self.close()
-                return StepResult([], True, self._info())
-            msgs = [self._run(c) for c in message.tool_calls]
-            return StepResult(msgs, False, self._info())
+            return result
         except BaseException:
             self.close()  # never leave a sandbox behind, whatever failed
             raise
 
-    def _info(self) -> dict[str, Any]:
-        return {"python_calls": self.calls, "python_errors": self.errors}
+    def info(self) -> dict[str, Any]:
+        """`python_errors`: refused calls (unknown tool, bad arguments, over the limit) and code that failed."""
+        return {"python_calls": self.calls, "python_errors": self.tool_errors + self.errors}
 
     def close(self) -> None:
         if self.session is not None:
@@ -150,26 +120,6 @@ class GSM8KToolEnv:
 
 # ----------------------------------------------------------------------------------- rewards
 
-_HASH_LINE = re.compile(r"(?m)^\s*####\s*\S")
-
-
-def final_math(prompts, completions, answer, trajectories=None, **kwargs) -> list[Grade]:
-    """The maths grader on the final answer; a final turn that is a tool call scores 0."""
-    out = []
-    for i, (text, gold) in enumerate(zip(completions, answer)):
-        last = trajectories[i].turns[-1] if trajectories is not None and trajectories[i].turns else None
-        if last is not None and (last.message.tool_calls or last.malformed_tool_call):
-            out.append(Grade(0.0, info={"predicted": None, "kind": "tool_call"}))
-            continue
-        out.append(grade_math(text, gold))
-    return out
-
-
-def hash_format(prompts, completions, **kwargs) -> list[float]:
-    """1.0 when the answer has a `#### N` line (logged, weight 0)."""
-    return [float(bool(_HASH_LINE.search(c))) for c in completions]
-
-
 def used_tool(prompts, completions, trajectories, **kwargs) -> list[float]:
     return [float(t.num_tool_calls > 0) for t in trajectories]
 
@@ -177,3 +127,14 @@ def used_tool(prompts, completions, trajectories, **kwargs) -> list[float]:
 def tool_errors(prompts, completions, trajectories, **kwargs) -> list[float]:
     """Tool calls that failed (exceptions, timeouts, unknown tools) plus malformed calls."""
     return [float(t.info.get("python_errors", 0) + t.num_malformed_calls) for t in trajectories]
+
+
+TASK = Task(
+    name="gsm8k-tool",
+    env=GSM8KToolEnv,
+    rewards=[*TERMS, RewardTerm("used_tool", used_tool, 0.0), RewardTerm("tool_errors", tool_errors, 0.0)],
+    dataset="gsm8k",
+    success="correct",
+    gold=gold_completion,
+    description="GSM8K with a persistent Python interpreter tool (ReTool-style), ending in #### N",
+)

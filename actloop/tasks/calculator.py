@@ -1,11 +1,11 @@
-"""The calculator environment: the model calls a calculator tool, reads the result, answers.
+"""The calculator task (the demo): the model calls a calculator tool, reads the result, answers.
 
 Problems are multi-step word problems with 2-3 digit numbers that a 135M model cannot multiply
-in its head, generated from templates under a seed. The prompt shows one worked example as
+in its head, generated from templates under a seed. The prompt shows three worked examples as
 earlier chat turns (small models follow a tool format only when shown it, not when told).
 
-Reward (see `actloop.rewards.calculator`): 1.0 when the last number of the final answer equals
-the target.
+Reward: `correct`, 1.0 when the last number of the final answer equals the target (a final turn
+that is still a tool call is no answer). Logged, weight 0: `used_tool`, `malformed`.
 """
 
 from __future__ import annotations
@@ -19,20 +19,10 @@ import re
 from typing import Any
 
 from actloop.envs.base import StepResult
+from actloop.envs.tools import ToolEnv, ToolError, tool
+from actloop.rewards.rubric import RewardTerm
+from actloop.tasks.base import Task
 from actloop.types import Message
-
-TOOL_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. 23 * 17 + 4"}},
-            "required": ["expression"],
-        },
-    },
-}
 
 SYSTEM = (
     "You are a careful assistant with a calculator tool. For any arithmetic, call the tool as "
@@ -120,7 +110,7 @@ _BINOPS = {
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
-class CalcError(ValueError):
+class CalcError(ToolError, ValueError):
     pass
 
 
@@ -179,31 +169,74 @@ def final_number(text: str) -> float | None:
         return None
 
 
-class CalculatorEnv:
+class CalculatorEnv(ToolEnv):
     """Multi-turn: tool calls get results; a message without a tool call is the final answer."""
 
     def __init__(self, shots: list[Message] | None = None):
         self.shots = examples() if shots is None else shots
         self.row: dict[str, Any] = {}
 
-    def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
-        self.row = row
-        return [Message("system", SYSTEM), *self.shots, Message("user", row["question"])], [TOOL_SCHEMA]
+    def prompt(self, row: dict[str, Any]) -> list[Message]:
+        return [Message("system", SYSTEM), *self.shots, Message("user", row["question"])]
 
-    def step(self, message: Message) -> StepResult:
-        if not message.tool_calls:
-            return StepResult(messages=[], done=True, info={"answer": final_number(message.content)})
-        out = []
-        for call in message.tool_calls:
-            if call.name != "calculator":
-                out.append(Message("tool", f"Error: unknown tool {call.name!r}; the only tool is calculator.", name=call.name))
-                continue
-            expr = call.arguments.get("expression")
-            if not isinstance(expr, str):
-                out.append(Message("tool", 'Error: the calculator needs {"expression": "..."}.', name="calculator"))
-                continue
-            try:
-                out.append(Message("tool", format_number(safe_eval(expr)), name="calculator"))
-            except CalcError as e:
-                out.append(Message("tool", f"Error: {e}", name="calculator"))
-        return StepResult(messages=out, done=False)
+    @tool
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
+
+        Args:
+            expression: e.g. 23 * 17 + 4
+        """
+        return format_number(safe_eval(expression))
+
+    def finish(self, message: Message) -> StepResult:
+        return StepResult(messages=[], done=True, info={**self.info(), "answer": final_number(message.content)})
+
+
+# ------------------------------------------------------------------------------------- rewards
+
+
+def correct_answer(prompts, completions, answer, trajectories=None, **kwargs) -> list[float]:
+    """1.0 when the last number of the final answer equals the row's `answer`. A final turn that
+    is itself a tool call (the episode ran out of turns) is no answer."""
+    out = []
+    for i, (text, target) in enumerate(zip(completions, answer)):
+        last = trajectories[i].turns[-1] if trajectories is not None and trajectories[i].turns else None
+        if last is not None and (last.message.tool_calls or last.malformed_tool_call):
+            out.append(0.0)
+            continue
+        got = final_number(text)
+        out.append(1.0 if got is not None and abs(got - float(target)) < 1e-6 else 0.0)
+    return out
+
+
+def used_tool(prompts, completions, trajectories, **kwargs) -> list[float]:
+    """1.0 when the episode made at least one well-formed tool call (logged, weight 0)."""
+    return [1.0 if t.num_tool_calls > 0 else 0.0 for t in trajectories]
+
+
+def malformed_calls(prompts, completions, trajectories, **kwargs) -> list[float]:
+    """Number of malformed tool calls in the episode (logged, weight 0)."""
+    return [float(t.num_malformed_calls) for t in trajectories]
+
+
+def splits(train_size: int, eval_size: int, seed: int, split: str = "test") -> tuple[list[dict], list[dict]]:
+    """`make_splits`; the calculator has one held-out split, `test`."""
+    if split != "test":
+        raise ValueError(f"calculator has splits train and test (its held-out problems); got `{split}`")
+    return make_splits(train_size, eval_size, seed)
+
+
+def gold_completion(row: dict[str, Any]) -> str:
+    return f"The answer is {row['answer']}."
+
+
+TASK = Task(
+    name="calculator",
+    env=CalculatorEnv,
+    rewards=[RewardTerm("correct", correct_answer), RewardTerm("used_tool", used_tool, 0.0),
+             RewardTerm("malformed", malformed_calls, 0.0)],
+    splits=splits,
+    success="correct",
+    gold=gold_completion,
+    description="the demo: word problems solved with calls to a calculator tool, then \"The answer is N\"",
+)

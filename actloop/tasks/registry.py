@@ -1,0 +1,244 @@
+"""The one task registry: what `data.task` (train, eval, grade, data.mix, compare, report) names.
+
+    resolve("gsm8k")                       # a built-in task (`actloop tasks` lists them)
+    resolve("my_pkg.tasks:TASK")           # a Task object in an importable module
+    resolve("path/to/my_task.py:TASK")     # a Task object in a file
+    build_task(cfg)                        # -> LoadedTask: environment factory, rubric, rows
+
+Rows: a task's own (`Task.splits` generates them, `Task.dataset` reads a built-in dataset), or
+`data.path` (a JSONL / Parquet file or Hub id) with the task's environment and rubric. With the
+default task and `data.path`, the rows are custom chat rows (`prompt`) answered in one turn and
+graded by `reward.funcs` (`custom`). `data.mix` mixes any of these by weight. Every row gets a
+`source` column: its task's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from actloop.config import Config, ConfigError
+from actloop.data.jsonl import DataError
+from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mix, tag
+from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_rows, read_rows
+from actloop.envs.base import ChatEnv, Env
+from actloop.rewards.base import RewardError, load_object, load_reward_func
+from actloop.rewards.flags import Flag
+from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
+from actloop.tasks import calculator, countdown, gsm8k, gsm8k_tool, humaneval, instructions, mbpp
+from actloop.tasks.base import LoadedTask, Row, Task
+
+BUILTIN: dict[str, Task] = {m.TASK.name: m.TASK for m in (calculator, gsm8k, gsm8k_tool, mbpp, humaneval,
+                                                              instructions, countdown)}
+DEFAULT_TASK = "calculator"  # data.path with this task means custom chat rows (see the module doc)
+
+
+def is_task_spec(spec: str) -> bool:
+    """A built-in name or `module:OBJECT` / `file.py:OBJECT` (not a data file or Hub id)."""
+    return spec in BUILTIN or ":" in spec
+
+
+def resolve(spec: str) -> Task:
+    """The `Task` that `spec` names: a built-in name, `package.module:OBJECT` or `file.py:OBJECT`."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ConfigError(f"unknown task `{spec}` (built-in: {', '.join(BUILTIN)}; or `module:OBJECT`, "
+                          "`path/to/file.py:OBJECT`; or set data.path or data.mix)")
+    try:
+        obj = load_object(spec, "task", "OBJECT")
+    except RewardError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(obj, Task):
+        raise ConfigError(f"`{spec}` is a {type(obj).__name__}, not an actloop Task (from actloop import Task)")
+    return obj
+
+
+def _user_terms(cfg: Config) -> list[RewardTerm]:
+    weights = cfg.reward.weights or [1.0] * len(cfg.reward.funcs)
+    return [RewardTerm(spec.rsplit(":", 1)[-1], load_reward_func(spec), w) for spec, w in zip(cfg.reward.funcs, weights)]
+
+
+def _check_data_keys(cfg: Config) -> None:
+    if cfg.data.bad_rows not in ("error", "skip"):
+        raise ConfigError(f"data.bad_rows must be error or skip; got `{cfg.data.bad_rows}`")
+    if cfg.data.split not in ("train", "test", "validation"):
+        raise ConfigError(f"data.split must be train, test or validation; got `{cfg.data.split}`")
+
+
+def task_rows(task: Task, cfg: Config, n_eval: int) -> tuple[list[Row], list[Row], list[dict[str, Any]]]:
+    """(training rows, `n_eval` held-out rows of `data.split`, load reports) of a task's own rows."""
+    split, train_size = cfg.data.split, cfg.data.train_size
+    if task.eval_only and train_size > 0:
+        raise ConfigError(f"{task.name} has no training split (it is an evaluation set): evaluate with "
+                          f"`actloop eval --task {task.name}`, or set data.train_size=0")
+    if task.dataset is not None:
+        info = []
+        train: list[Row] = []
+        if train_size > 0:
+            train, report = load_dataset_rows(task.dataset, "train", cfg.data.dir, cfg.data.bad_rows)
+            info.append(report.to_dict())
+        held, report = load_dataset_rows(task.dataset, split, cfg.data.dir, cfg.data.bad_rows)
+        info.append(report.to_dict())
+        return train, held[:n_eval], info
+    if task.splits is not None:
+        try:
+            train, held = task.splits(max(train_size, 0), n_eval if split != "train" else 0, cfg.seed,
+                                      split if split != "train" else "test")
+        except ValueError as e:
+            raise ConfigError(f"task {task.name}: {e}") from None
+        if split == "train":
+            held = train[:n_eval]
+        return train, held, [{"source": "generated", "rows": len(train) + len(held), "skipped": 0}]
+    raise ConfigError(f"task {task.name} has no rows of its own (no splits, no dataset): give them with data.path")
+
+
+def _file_rows(spec: str, cfg: Config, validate=chat_row) -> tuple[list[Row], dict[str, Any]]:
+    """Rows of a JSONL / Parquet file or Hub id (custom rows: a chat-format `prompt` each)."""
+    rows, report = read_rows(spec, validate, cfg.data.bad_rows)
+    if not rows:
+        raise DataError(f"{spec}: no rows" + (f" ({report.skipped} skipped as bad)" if report.skipped else ""))
+    return rows, report.to_dict()
+
+
+def _path_rows(cfg: Config, validate=chat_row) -> tuple[list[Row], list[Row], list[dict[str, Any]]]:
+    """data.path's rows, held out by data.eval_path or a seeded fifth of the file."""
+    rows, info = _file_rows(cfg.data.path, cfg, validate)
+    if cfg.data.eval_path:
+        eval_rows, eval_info = _file_rows(cfg.data.eval_path, cfg, validate)
+        return rows, eval_rows[: cfg.data.eval_size], [info, eval_info]
+    rng = random.Random(cfg.seed)
+    rows = rows[:]
+    rng.shuffle(rows)
+    n_eval = min(cfg.data.eval_size, len(rows) // 5)
+    return rows[n_eval:], rows[:n_eval], [info]
+
+
+def build_task(cfg: Config) -> LoadedTask:
+    """The task `cfg` describes, resolved for a run: environment factory, a new rubric, rows."""
+    _check_data_keys(cfg)
+    user_terms = _user_terms(cfg)
+    if cfg.data.mix:
+        return _build_mix(cfg, user_terms)
+    if cfg.data.path and cfg.data.task == DEFAULT_TASK:
+        if not user_terms:
+            raise ConfigError("data.path needs reward.funcs: name at least one reward function")
+        train, held, info = _path_rows(cfg)
+        rubric = Rubric(user_terms, completion=cfg.reward.completion, success_threshold=cfg.reward.success_threshold)
+        return LoadedTask("custom", ChatEnv, rubric, train, held, info={"load": info})
+    task = resolve(cfg.data.task)
+    if cfg.data.path:  # the user's rows, the task's environment and rubric
+        train, held, info = _path_rows(cfg, validate=None)
+    else:
+        train, held, info = task_rows(task, cfg, cfg.data.eval_size)
+    return LoadedTask(task.name, task.env, task.rubric(cfg.reward.completion, user_terms), tag(train, task.name),
+                      tag(held, task.name), info={"load": info}, rollout=task.rollout, definition=task)
+
+
+def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
+    weights = parse_mix(cfg.data.mix)
+    envs: dict[str, Callable[[], Env]] = {}
+    rubrics: dict[str, Rubric] = {}
+    pools: dict[str, list[Row]] = {}
+    held: list[Row] = []
+    info: list[dict[str, Any]] = []
+    named: dict[str, float] = {}
+    eval_counts = allocate(cfg.data.eval_size, weights, min_each=1 if cfg.data.eval_size > 0 else 0)
+    for spec, w in weights.items():
+        n_eval = eval_counts[spec]
+        if is_task_spec(spec):
+            task = resolve(spec)
+            if task.rollout is not None:
+                raise ConfigError(f"data.mix: task `{task.name}` runs its own episodes (Task.rollout) and cannot be "
+                                  "mixed with others")
+            name = task.name
+            train, h, ti = task_rows(task, cfg, n_eval)
+            info += ti
+            envs[name], rubrics[name] = task.env, task.rubric(cfg.reward.completion, user_terms)
+        else:
+            if not user_terms:
+                raise ConfigError(f"data.mix source `{spec}` is custom data: name its reward functions in reward.funcs")
+            rows, ri = _file_rows(spec, cfg)
+            name = spec if is_hub_id(spec) else Path(spec).name.split(".")[0]
+            info.append(ri)
+            rows = rows[:]
+            random.Random(f"mix-holdout-{cfg.seed}-{name}").shuffle(rows)
+            k = min(n_eval, len(rows) // 5)
+            h, train = rows[:k], rows[k:]
+            envs[name] = ChatEnv
+            rubrics[name] = Rubric(list(user_terms), completion=cfg.reward.completion,
+                                   success_threshold=cfg.reward.success_threshold)
+        if name in pools:
+            raise ConfigError(f"data.mix: two sources are named `{name}`")
+        pools[name], named[name] = tag(train, name), w
+        held += tag(h, name)
+    train_rows = mix_rows(pools, named, cfg.data.train_size, cfg.seed) if cfg.data.train_size > 0 else []
+    rubric = MixedRubric(terms=[], completion=cfg.reward.completion, parts=rubrics)
+    return LoadedTask("mix", functools.partial(MixedEnv, envs), rubric, train_rows, held,
+                      info={"load": info, "mix": named})
+
+
+# ---------------------------------------------------------------------------------- grading
+
+GENERATED_ROWS = 1000  # generated held-out rows `actloop grade --id` chooses from (seed 0)
+
+
+def grade_rows(task: Task, path: str | Path | None = None, data_dir: str | None = None) -> list[Row]:
+    """The rows `actloop grade --id` looks in: `path` (validated as the task's dataset, if it has
+    one), else the task's dataset (every split when rows carry an id column, else `test`), else
+    its generated held-out rows (seed 0)."""
+    validate = DATASETS[task.dataset].validate if task.dataset else None
+    if path is not None:
+        if not Path(path).exists():
+            raise ConfigError(f"data file {path} does not exist")
+        return read_rows(str(path), validate)[0]
+    if task.dataset is not None:
+        splits = DATASETS[task.dataset].splits if task.id_field else ("test",)
+        seen: dict[Any, Row] = {}
+        for s in splits:
+            for i, r in enumerate(load_dataset_rows(task.dataset, s, data_dir)[0]):
+                seen.setdefault(r.get(task.id_field, (s, i)) if task.id_field else (s, i), r)
+        return list(seen.values())
+    if task.splits is not None:
+        return task.splits(0, GENERATED_ROWS, 0, "test")[1]
+    raise ConfigError(f"task {task.name} has no rows of its own: pass --data PATH")
+
+
+def find_row(task: Task, id: int, rows: list[Row]) -> Row:
+    """The row `id` names: its `Task.id_field` column where it has one (MBPP's task_id), else its
+    0-based index."""
+    key = task.id_field
+    if key and any(key in r for r in rows):
+        for r in rows:
+            if r.get(key) == id:
+                return r
+        raise ConfigError(f"no {task.name} row with {key} {id}")
+    if not 0 <= id < len(rows):
+        raise ConfigError(f"{task.name} has rows 0..{len(rows) - 1}; got --id {id}")
+    return rows[id]
+
+
+def grade_one(task: Task, row: Row, completion: str) -> dict[str, Any]:
+    """Grade one completion against one row with the task's rubric, as training scores a final
+    answer: a JSON-ready record ``{"reward", "components", "flags": [{name, evidence, source,
+    action}], "passed", "total", "success", "masked", "errors", "details"}``. `passed` / `total`
+    count tests (code), constraints (instructions), or the one answer."""
+    rubric = task.rubric()
+    details: list[dict[str, Any]] = []
+    (scored,) = rubric.score([text_trajectory(completion, row)], details=details)
+    info = next((i for i in details[0].values() if "passed" in i and "total" in i), None)
+    passed, total = (info["passed"], info["total"]) if info else (int(scored.success), 1)
+    return {
+        "task": task.name,
+        "reward": scored.reward,
+        "components": scored.components,
+        "flags": [f.to_dict() if isinstance(f, Flag) else {"name": str(f)} for f in scored.flags],
+        "passed": passed,
+        "total": total,
+        "success": scored.success,
+        "masked": scored.masked,
+        "errors": rubric.errors,
+        "details": details[0],
+    }

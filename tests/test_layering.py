@@ -1,0 +1,79 @@
+"""The package order of docs/architecture.md, checked over the source: every first-party import
+goes to the same package or one listed before it, sits at the top of its module (not inside a
+function, where it would hide a cycle), and names the defining module (not the `actloop` facade).
+The exceptions are the optional extras listed in OPTIONAL, each with its reason."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "actloop"
+ORDER = ["types", "algos", "config", "sandbox", "models", "rewards", "envs", "data", "tasks", "rollout", "gateway",
+         "monitor", "train", "cli"]
+# (module, imported module): function-level imports of optional extras, loaded only when chosen
+OPTIONAL = {
+    ("actloop/rollout/factory.py", "actloop.rollout.vllm_engine"): "rollout.engine=vllm needs the vllm extra",
+    ("actloop/rollout/factory.py", "actloop.rollout.ray_engine"): "rollout.engine=ray needs the ray extra",
+}
+
+
+def package(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def first_party(path: Path, node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "actloop"]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against the module's package
+            base = list(path.relative_to(ROOT.parent).with_suffix("").parts)[: -node.level]
+            return [".".join(base + ([node.module] if node.module else []))]
+        if node.module and node.module.split(".")[0] == "actloop":
+            return [node.module]
+    return []
+
+
+def module_level(body: list[ast.stmt]):
+    """ids of the statements run at import (inside module-level if / try / with too)."""
+    for node in body:
+        yield id(node)
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for name in ("body", "orelse", "finalbody"):
+                yield from module_level(getattr(node, name, []))
+            for h in getattr(node, "handlers", []):
+                yield from module_level(h.body)
+
+
+def violations() -> list[str]:
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "__init__.py" or path == ROOT / "__main__.py":
+            continue
+        pkg = package(path)
+        assert pkg in ORDER, f"{path}: package `{pkg}` is not in the layer order (add it to ORDER and the docs)"
+        tree = ast.parse(path.read_text())
+        top = set(module_level(tree.body))
+        where = str(path.relative_to(ROOT.parent))
+        for node in ast.walk(tree):
+            for mod in first_party(path, node):
+                parts = mod.split(".")
+                if len(parts) == 1:
+                    out.append(f"{where}:{node.lineno}: imports the `actloop` facade; import the defining module")
+                    continue
+                target = parts[1]
+                if target not in ORDER and target != "__init__":
+                    continue
+                if ORDER.index(target) > ORDER.index(pkg):
+                    out.append(f"{where}:{node.lineno}: {pkg} imports {mod} (a later layer)")
+                if id(node) not in top and (where, mod) not in OPTIONAL:
+                    out.append(f"{where}:{node.lineno}: function-level import of {mod}")
+    return out
+
+
+def test_packages_import_only_earlier_layers_at_module_top():
+    assert violations() == []
+
+
+def test_the_order_is_the_documented_one():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    assert " -> ".join(ORDER) in doc
