@@ -348,6 +348,20 @@ class DistributedConfig:
     )
 
 
+@dataclass
+class SandboxConfig:
+    backend: str = opt(
+        "auto",
+        "Where graded and tool code runs: `auto` (bwrap where it works, else rlimit with a warning), `bwrap`, "
+        "`rlimit` (no isolation) or `docker` (docs/sandbox.md; `actloop sandbox doctor` says what works here).",
+    )
+    docker_image: str = opt(
+        "actloop-sandbox:bookworm",
+        "Image of the docker backend: needs python3; never pulled (`actloop sandbox build-image` makes this one offline).",
+    )
+    require_isolation: bool = opt(False, "Refuse to run code without namespace isolation (no silent rlimit fallback).")
+
+
 # The defaults are the demo recipe (`actloop train` with no arguments): GRPO on the calculator
 # task with the embedded model, sized for a 2-core CPU (about 25 s a step there).
 
@@ -388,6 +402,7 @@ class Config:
         "RUN_DIR/config.yaml, then the overrides (e.g. train.steps=40 to extend).",
     )
     monitor: MonitorConfig = field(default_factory=MonitorConfig, metadata={"doc": "Metric sinks, samples, alarms."})
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig, metadata={"doc": "Code sandbox (docs/sandbox.md)."})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -592,6 +607,7 @@ def validate(cfg: Config) -> None:
         _one_of("dpo.loss", cfg.dpo.loss, REG["dpo_loss"]),
         _one_of("ppo.critic", cfg.ppo.critic, ("head", "separate")),
         _one_of("algo", cfg.algo, ALGOS),
+        _one_of("sandbox.backend", cfg.sandbox.backend, ("auto", "bwrap", "rlimit", "docker")),
         _one_of("distributed.backend", cfg.distributed.backend, ("auto", "gloo", "nccl")),
         _one_of("distributed.mixed_precision", cfg.distributed.mixed_precision, ("auto", "bf16", "none")),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),

@@ -514,6 +514,30 @@ def interpreter_reachable(python: str) -> bool:
     return all(others_can_reach(p) for p in libs) and bool(libs)
 
 
+def unreachable_reason(path: str) -> str:
+    """Why this process cannot run `path`, in words: the directory on the way it may not
+    enter (e.g. an interpreter below /root, mode 0700, seen by an unprivileged user)."""
+    import stat as _stat
+
+    parts = os.path.abspath(path).split("/")
+    for i in range(2, len(parts) + 1):
+        here, parent = "/".join(parts[:i]), "/".join(parts[: i - 1]) or "/"
+        try:
+            os.stat(here)
+        except PermissionError:
+            try:
+                st = os.stat(parent)
+                how = f"{parent} is {_stat.filemode(st.st_mode)} owned by uid {st.st_uid}"
+            except OSError:
+                how = f"{parent} cannot be entered"
+            return f"is not reachable by uid {os.geteuid()}: {how}"
+        except OSError:
+            return "does not exist"
+    if not os.access(path, os.X_OK):
+        return f"is not executable by uid {os.geteuid()}"
+    return "cannot be used"
+
+
 def find_reachable_python(prefer: str) -> str | None:
     """An interpreter an unprivileged uid can use, same major.minor as `prefer` first."""
     import glob

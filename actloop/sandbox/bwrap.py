@@ -221,8 +221,16 @@ class BwrapSandbox(AsyncMixin):
             raise SandboxError("bwrap (bubblewrap) is not installed; `apt-get install bubblewrap`")
         self.bwrap = found
         self.python = python or default_python()
-        if not os.path.exists(self.python):
-            raise SandboxError(f"interpreter {self.python!r} does not exist")
+        self.python_note = ""
+        if not os.access(self.python, os.X_OK):
+            # e.g. an unprivileged user whose venv's base interpreter lives below /root (0700)
+            why = f"interpreter {self.python} {_proc.unreachable_reason(self.python)}"
+            alt = None if python else _proc.find_reachable_python(self.python)
+            if alt is None:
+                raise SandboxError(f"{why}; pass python= an interpreter this user can run (e.g. /usr/bin/python3)")
+            log.info("bwrap sandbox: %s; using %s", why, alt)
+            self.python_note = f"{why}, so the sandbox uses {alt}"
+            self.python = alt
         self._python_cmd = [self.python] if site_packages else [self.python, "-S"]
         feats = _bwrap_features(self.bwrap)
         if "--size" not in feats:

@@ -55,7 +55,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from . import _proc
 from .base import AsyncMixin, ExecResult, Files, Limits, SandboxError, check_files, prepare_run
@@ -107,17 +106,6 @@ _BOOT = (
 
 
 # ----------------------------------------------------------------------------- the client
-@dataclass(frozen=True)
-class DockerStatus:
-    """What `probe_docker` found: whether runs can work, and the facts behind it."""
-
-    available: bool
-    reason: str
-    client: str | None = None  # path of the client binary
-    server: str | None = None  # "docker 20.10.24" / "podman 4.3.1"
-    image_present: bool = False
-
-
 def _call(argv: Sequence[str], timeout: float = CALL_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """One docker call with a deadline; a hang becomes a failed call, never a hang here."""
     try:
@@ -220,6 +208,79 @@ def _sweep_once(docker: str) -> None:
             return
         _SWEPT.add(docker)
     threading.Thread(target=remove_stale, args=(docker,), name="actloop-docker-sweep", daemon=True).start()
+
+
+# ---------------------------------------------------------------------------- the image
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+
+
+def build_image(
+    image: str = DEFAULT_IMAGE,
+    *,
+    suite: str = "bookworm",
+    mirror: str = DEBIAN_MIRROR,
+    docker: str = "docker",
+    force: bool = False,
+    log_fn=print,  # type: ignore[no-untyped-def]
+) -> str:
+    """Make a Python image without any registry: ``debootstrap --variant=minbase
+    --include=python3 SUITE`` from a Debian mirror (about 30 s), trimmed (docs, man pages,
+    locales, apt lists), ``/tmp`` turned into a link to the work directory, then ``tar | docker
+    import``. Cached: an image already present is kept unless `force`. Needs root and
+    debootstrap. Returns "cached" or "built"; raises `SandboxError` with the reason."""
+    import tempfile
+
+    exe = shutil.which(docker)
+    if not exe:
+        raise SandboxError(f"the {docker} client is not installed")
+    ok, why = docker_available(docker)
+    if not ok:
+        raise SandboxError(why)
+    if not force and image_present(image, docker):
+        log_fn(f"image {image} is already present (cached; --force rebuilds it)")
+        return "cached"
+    debootstrap = shutil.which("debootstrap")
+    if not debootstrap:
+        raise SandboxError("debootstrap is not installed (apt-get install debootstrap)")
+    if os.geteuid() != 0:
+        raise SandboxError("building the image with debootstrap needs root")
+    root = tempfile.mkdtemp(prefix="actloop-image-")
+    try:
+        t0 = time.monotonic()
+        log_fn(f"debootstrap {suite} (minbase + python3) from {mirror} ...")
+        r = subprocess.run([debootstrap, "--variant=minbase", "--include=python3", suite, root, mirror],
+                           capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL, check=False)
+        if r.returncode != 0:
+            raise SandboxError(f"debootstrap failed (exit {r.returncode}): {_last_line(r.stdout + r.stderr, '')}")
+        for sub in ("usr/share/doc", "usr/share/man", "usr/share/locale", "usr/share/info",
+                    "var/cache/apt", "var/lib/apt/lists", "var/log"):
+            shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        # /tmp -> the work dir, as in the bwrap tier: the root is mounted read-only
+        shutil.rmtree(os.path.join(root, "tmp"), ignore_errors=True)
+        os.symlink(WORKDIR, os.path.join(root, "tmp"))
+        # Docker gives a tmpfs the mode of the directory it covers: 1777, so uid 65534 can write
+        os.makedirs(os.path.join(root, WORKDIR.lstrip("/")), exist_ok=True)
+        os.chmod(os.path.join(root, WORKDIR.lstrip("/")), 0o1777)
+        log_fn(f"debootstrap done in {time.monotonic() - t0:.0f} s; docker import {image} ...")
+        tar = subprocess.Popen(["tar", "--numeric-owner", "-C", root, "-c", "."], stdout=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL)
+        try:
+            imp = subprocess.run([exe, "import", "--message", f"actloop sandbox image: debootstrap {suite} + python3",
+                                  "--change", f"LABEL {LABEL}.image={suite}-python3",
+                                  "-", image],
+                                 stdin=tar.stdout, capture_output=True, text=True, timeout=600,
+                                 env=_client_env(), check=False)
+        finally:
+            assert tar.stdout is not None
+            tar.stdout.close()
+            tar.wait(timeout=600)
+        if imp.returncode != 0 or tar.returncode != 0:
+            raise SandboxError(f"docker import failed: {_last_line(imp.stderr, f'tar exit {tar.returncode}')}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    log_fn(f"built {image} in {time.monotonic() - t0:.0f} s")
+    return "built"
 
 
 # ---------------------------------------------------------------------------- the tier

@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import IsolationUnavailableError, Limits, Sandbox, SandboxError
 from .bwrap import BwrapSandbox
-from .docker import DockerSandbox, docker_available
+from .docker import DEFAULT_IMAGE, DockerSandbox, docker_available, image_present, missing_image_hint
 from .rlimit import RlimitSandbox, warn_once
 from .pool import SandboxPool
 
@@ -54,7 +54,8 @@ def probe_bwrap(python: str | None = None) -> TierStatus:
     except SandboxError as e:
         return TierStatus("bwrap", False, True, str(e))
     if r.stdout.strip() == "42" and r.exit_code == 0:
-        return TierStatus("bwrap", True, True, f"user namespaces work; the sandbox runs as {sb.host_identity}")
+        note = f"; {sb.python_note}" if sb.python_note else ""
+        return TierStatus("bwrap", True, True, f"user namespaces work; the sandbox runs as {sb.host_identity}{note}")
     why = (r.stderr.strip().splitlines() or [f"exit {r.exit_code}"])[-1]
     hints = _userns_hints()
     if hints:
@@ -62,12 +63,29 @@ def probe_bwrap(python: str | None = None) -> TierStatus:
     return TierStatus("bwrap", False, True, f"bwrap cannot create namespaces here: {why}")
 
 
-def diagnose(docker: bool = True) -> list[TierStatus]:
+@functools.lru_cache(maxsize=8)
+def probe_docker(image: str | None = None, docker: str = "docker") -> TierStatus:
+    """The Docker tier's real state: client, daemon, image, and one real run (~1 s)."""
+    image = image or DEFAULT_IMAGE
+    ok, why = docker_available(docker)
+    if not ok:
+        return TierStatus("docker", False, True, why)
+    if not image_present(image, docker):
+        return TierStatus("docker", False, True, f"{why}; {missing_image_hint(image)}")
+    sb = DockerSandbox(image=image, docker=docker, check=False)
+    r = sb.run("import os; print(6 * 7, os.getuid())", limits=Limits(timeout_s=30))
+    if r.error or r.stdout.split() != ["42", "65534"]:
+        said = r.error or (r.stderr.strip().splitlines() or [f"exit {r.exit_code}"])[-1]
+        return TierStatus("docker", False, True, f"{why}, image {image}: a test run failed: {said}")
+    return TierStatus("docker", True, True,
+                      f"{why}, image {image}; a test run as uid 65534 took {r.duration_s:.2f} s")
+
+
+def diagnose(docker: bool = True, image: str | None = None) -> list[TierStatus]:
     """Status of every tier, best first. Used by ``actloop sandbox doctor``."""
     out = [probe_bwrap()]
     if docker:
-        ok, why = docker_available()
-        out.append(TierStatus("docker", ok, True, why))
+        out.append(probe_docker(image))
     root = os.geteuid() == 0
     detail = ("throw-away uid per run (host is root)" if root and shutil.which("setpriv")
               else "runs as your own uid: it can read your files and signal your processes")
@@ -126,3 +144,9 @@ def get_sandbox(
     else:
         sb = DockerSandbox(limits, **kwargs)
     return SandboxPool(sb, pool_size) if pool_size else sb
+
+
+def sandbox_from_config(backend: str, docker_image: str, require_isolation: bool) -> Sandbox:
+    """The sandbox a config's ``sandbox`` section asks for (keys as in `actloop config show`)."""
+    kwargs: dict[str, Any] = {"image": docker_image} if backend == "docker" else {}
+    return get_sandbox(backend, require_isolation=require_isolation, **kwargs)

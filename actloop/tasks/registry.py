@@ -24,9 +24,12 @@ from actloop.data.jsonl import DataError
 from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mix, tag
 from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_rows, read_rows
 from actloop.envs.base import ChatEnv, Env
+from actloop.rewards import code as code_rewards
 from actloop.rewards.base import RewardError, load_object, load_reward_func
 from actloop.rewards.flags import Flag
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
+from actloop.sandbox.base import SandboxError
+from actloop.sandbox.factory import sandbox_from_config
 from actloop.tasks import calculator, countdown, gsm8k, gsm8k_tool, humaneval, instructions, mbpp
 from actloop.tasks.base import LoadedTask, Row, Task
 
@@ -116,9 +119,22 @@ def _path_rows(cfg: Config, validate=chat_row) -> tuple[list[Row], list[Row], li
     return rows[n_eval:], rows[:n_eval], [info]
 
 
+def _use_configured_sandbox(cfg: Config) -> None:
+    """A non-default `sandbox` section becomes the process-wide sandbox the code tasks'
+    graders and tools use (built now, so a missing daemon or image fails before training)."""
+    sc = cfg.sandbox
+    if sc.backend == "auto" and not sc.require_isolation:
+        return  # the lazy default: bwrap where it works
+    try:
+        code_rewards._DEFAULT_SANDBOX = sandbox_from_config(sc.backend, sc.docker_image, sc.require_isolation)
+    except SandboxError as e:
+        raise ConfigError(f"sandbox.backend={sc.backend}: {e}") from None
+
+
 def build_task(cfg: Config) -> LoadedTask:
     """The task `cfg` describes, resolved for a run: environment factory, a new rubric, rows."""
     _check_data_keys(cfg)
+    _use_configured_sandbox(cfg)
     user_terms = _user_terms(cfg)
     if cfg.data.mix:
         return _build_mix(cfg, user_terms)
