@@ -101,6 +101,7 @@ _BOOT = (
     "except OSError as e:\n"
     f" _fail('cannot write the work directory {WORKDIR}: '+str(e)+' (uid '+str(os.getuid())+')')\n"
     f"os.write(2,{STARTED!r})\n"
+    "os.environ.pop('HOSTNAME',None)\n"  # Docker always sets it; nothing from outside
     "os.execv(sys.executable,[sys.executable,'-S','-c',s['init']])\n"
 )
 

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 import actloop.sandbox.factory as factory
 import actloop.sandbox.rlimit as rlimit_mod
 from actloop.sandbox import (
+    ISOLATED_TIERS,
     BwrapSandbox,
     DockerSandbox,
     ExecResult,
@@ -37,9 +38,9 @@ from actloop.sandbox.cli import app
 from actloop.sandbox.docker import docker_available
 
 
-@pytest.fixture(params=["bwrap", "rlimit"], scope="module")
-def sb(request, bwrap_sandbox, rlimit_sandbox):  # type: ignore[no-untyped-def]
-    return bwrap_sandbox if request.param == "bwrap" else rlimit_sandbox
+@pytest.fixture(params=["bwrap", "rlimit", "docker"], scope="module")
+def sb(request):  # type: ignore[no-untyped-def]
+    return request.getfixturevalue(f"{request.param}_sandbox")  # skips a tier that is missing here
 
 
 # ------------------------------------------------------------------------ value types
@@ -82,7 +83,7 @@ def test_basic_run_and_tier(sb) -> None:  # type: ignore[no-untyped-def]
     assert (r.stdout, r.stderr, r.exit_code, r.timed_out, r.oom) == ("42\n", "", 0, False, False)
     assert r.tier == sb.tier and r.ok and r.error is None
     assert 0 < r.duration_s < 5
-    assert sb.isolated == (sb.tier == "bwrap")
+    assert sb.isolated == (sb.tier in ISOLATED_TIERS)
 
 
 def test_exit_codes_follow_shell_convention(sb) -> None:  # type: ignore[no-untyped-def]
@@ -161,8 +162,9 @@ def test_clean_environment(sb, monkeypatch) -> None:  # type: ignore[no-untyped-
 def test_oom_flag_and_timeout_flag(sb) -> None:  # type: ignore[no-untyped-def]
     r = sb.run("x = bytearray(4 << 30)", limits=Limits(memory_mb=128))
     assert r.oom and r.exit_code == 1 and not r.timed_out
-    r = sb.run("import time; time.sleep(5)", limits=Limits(timeout_s=0.5))
-    assert r.timed_out and r.exit_code == 137 and 0.45 < r.duration_s < 2.5
+    t = 3.0 if sb.tier == "docker" else 0.5  # the timeout includes a container's start (~0.5 s)
+    r = sb.run("import time; time.sleep(10)", limits=Limits(timeout_s=t))
+    assert r.timed_out and r.exit_code == 137 and 0.9 * t < r.duration_s < t + 2.0, r
 
 
 def test_bwrap_work_dir_is_private_between_runs(bwrap_sandbox) -> None:  # type: ignore[no-untyped-def]
@@ -282,9 +284,9 @@ def test_pool_bounds_concurrency_async_and_map(bwrap_sandbox) -> None:  # type: 
 
 
 # ------------------------------------------------------------------------- session
-@pytest.fixture(params=["bwrap", "rlimit"])
-def session_sandbox(request, bwrap_sandbox, rlimit_sandbox):  # type: ignore[no-untyped-def]
-    return bwrap_sandbox if request.param == "bwrap" else rlimit_sandbox
+@pytest.fixture(params=["bwrap", "rlimit", "docker"])
+def session_sandbox(request):  # type: ignore[no-untyped-def]
+    return request.getfixturevalue(f"{request.param}_sandbox")
 
 
 def test_session_persistence_and_notebook_semantics(session_sandbox) -> None:  # type: ignore[no-untyped-def]
@@ -414,45 +416,143 @@ def test_get_sandbox_explicit_backends() -> None:
 # ---------------------------------------------------------------------------- docker
 def test_docker_command_line_has_the_isolation_flags() -> None:
     sb = DockerSandbox(check=False)
-    cmd = sb.command("actloop-sbx-test", Limits(memory_mb=256, max_procs=32, tmpfs_mb=16, timeout_s=5))
+    cmd = sb.command("actloop-sbx-test", Limits(memory_mb=256, max_procs=32, tmpfs_mb=16, timeout_s=5), deadline=123.0)
     joined = " ".join(cmd)
-    for flag in ("--network none", "--memory 256m", "--memory-swap 256m", "--pids-limit 32",
+    for flag in ("--network none", "--memory 256m", "--memory-swap 256m", "--pids-limit 33",
                  "--read-only", "--cap-drop ALL", "--security-opt no-new-privileges",
                  "--user 65534:65534", "--rm", "--name actloop-sbx-test", "--pull never",
-                 "--ulimit cpu=5:6", "size=16m"):
+                 "--ulimit cpu=5:6", "size=16m", "--shm-size 4m", "--label actloop.sandbox.deadline=123.0"):
         assert flag in joined, flag
-    assert "--tmpfs" in cmd and any(c.startswith("/sandbox:") for c in cmd)
+    assert "--tmpfs" in cmd and any(c.startswith("/sandbox:") and "mode=1777" in c for c in cmd)
+    # Docker 20.10 makes a --workdir on the tmpfs root-owned 0755: uid 65534 could not write main.py
+    assert "--workdir" not in cmd and "-w" not in cmd
     assert not any(c.startswith("HOSTNAME=") or c.startswith("USER=") for c in cmd)
 
 
-def test_docker_header_roundtrip_through_the_boot() -> None:
-    # The preamble that unpacks files inside the container, exercised on the host.
-    from actloop.sandbox.docker import _BOOT
+def test_docker_boot_failure_comes_before_the_start_marker() -> None:
+    # The preamble that unpacks files inside the container, on the host: /sandbox is absent
+    # here, so it must fail as the sandbox (exit 125, a reason, no start marker).
+    from actloop.sandbox.docker import _BOOT, STARTED
 
-    sb = DockerSandbox(check=False)
-    header = sb._header(["python3", "-c", "import sys; print(open('d/x.txt').read(), sys.stdin.read())"],
-                        {"d/x.txt": b"file-content"})
-    cwd = os.path.join(os.path.dirname(__file__), "_docker_boot_tmp")
-    os.makedirs(cwd, exist_ok=True)
+    assert not os.path.exists("/sandbox")
+    header = DockerSandbox(check=False)._header(None, "print(1)", {"main.py": b"print(1)"}, Limits())
+    r = subprocess.run([sys.executable, "-S", "-c", _BOOT], input=header, capture_output=True, timeout=30)
+    assert r.returncode == 125 and STARTED not in r.stderr
+    assert b"actloop-boot: cannot write the work directory /sandbox" in r.stderr
+
+
+@pytest.fixture
+def docker_client() -> str:
+    exe = shutil.which("docker")
+    if not exe:
+        pytest.skip("the docker client is not installed")
+    return exe
+
+
+def test_docker_failures_are_results_not_tracebacks(docker_client, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    lim = Limits(timeout_s=3)
+    # 1. no daemon at all
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/none.sock")
+    r = DockerSandbox(check=False).run("print(1)", limits=lim)
+    assert r.error and "docker run failed" in r.error and r.exit_code == 125 and not r.ok, r
+    with pytest.raises(SandboxError, match="cannot reach a daemon"):
+        docker_available.cache_clear()
+        DockerSandbox()
+    # 2. a daemon that accepts the connection and never answers: back by the deadline, error set
+    path = tmp_path / "mute.sock"
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(str(path))
+    mute.listen(16)
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{path}")
     try:
-        r = subprocess.run([sys.executable, "-S", "-c", _BOOT], input=header + b"rest-of-stdin",
-                           capture_output=True, cwd=cwd, timeout=30,
-                           env={"PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"})
+        t0 = time.monotonic()
+        r = DockerSandbox(check=False).run("print(1)", limits=lim)
+        wall = time.monotonic() - t0
     finally:
-        shutil.rmtree(cwd, ignore_errors=True)
-    assert r.stdout == b"file-content rest-of-stdin\n", r.stderr
+        mute.close()
+        docker_available.cache_clear()
+    assert wall < lim.timeout_s + 2, wall
+    assert r.timed_out and r.error and "did not start" in r.error, r
 
 
-docker_ok, docker_why = docker_available()
+def test_docker_missing_image_and_fake_infrastructure_exit(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    r = DockerSandbox(image="actloop-no-such-image:0", check=False).run("print(1)")
+    assert r.error and "build-image" in r.error and r.exit_code == 125, r
+    with pytest.raises(SandboxError, match="not present"):
+        DockerSandbox(image="actloop-no-such-image:0")
+    # the program's own exit 125 is the program's: it cannot pose as a sandbox failure
+    r = docker_sandbox.run("import sys; print('x', file=sys.stderr); sys.exit(125)")
+    assert r.exit_code == 125 and r.error is None and r.stderr == "x\n", r
 
 
-@pytest.mark.skipif(not docker_ok, reason=f"no Docker daemon: {docker_why}")
-def test_docker_real_run() -> None:  # pragma: no cover - needs a daemon
-    sb = DockerSandbox()
-    r = sb.run("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), 1)\n"
-               "    print('NET')\nexcept OSError:\n    print('no net')", files={"a.txt": "x"})
-    assert r.stdout == "no net\n" and r.tier == "docker"
-    assert sb.run("import time; time.sleep(30)", limits=Limits(timeout_s=2)).timed_out
+def _containers(label: str = "actloop.sandbox") -> list[str]:
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={label}"], capture_output=True, text=True,
+                         timeout=30)
+    return out.stdout.split()
+
+
+def test_docker_flood_is_cut_at_the_timeout_and_the_container_removed(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    """The issue's case: a stdout flood (GBs) with a 5 s timeout took 36 s and a traceback."""
+    code = "import os\nb = b'x' * (1 << 20)\nwhile True:\n    os.write(1, b)\n"
+    before = set(_containers())
+    t0 = time.monotonic()
+    r = docker_sandbox.run(code, limits=Limits(timeout_s=5))
+    wall = time.monotonic() - t0
+    assert wall < 5 + 2 and r.timed_out and r.truncated and r.error is None, (wall, r)
+    assert len(r.stdout) < Limits().max_output_bytes + 200
+    deadline = time.monotonic() + 10
+    while set(_containers()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(_containers()) - before, "the flooding container outlived its run by 10 s"
+
+
+def test_docker_cgroup_memory_limit_binds_across_processes(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    # each process stays under RLIMIT_AS (96 MiB of 128), together they pass the cgroup's 128 MiB
+    code = (
+        "import os, time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        b = bytearray(90 << 20)\n"
+        "        b[::4096] = b'x' * len(b[::4096])\n"
+        "        time.sleep(2)\n"
+        "        os._exit(0)\n"
+        "print('children', [os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(4)])\n"
+    )
+    r = docker_sandbox.run(code, limits=Limits(memory_mb=128, timeout_s=20))
+    assert not r.timed_out, r
+    codes = eval(r.stdout.split("children", 1)[1]) if "children" in r.stdout else None  # noqa: S307
+    assert (codes and -9 in codes) or r.oom, r  # the kernel's OOM killer (SIGKILL) hit at least one
+
+
+def test_docker_stale_containers_are_removed(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    from actloop.sandbox.docker import DEFAULT_IMAGE, remove_stale
+
+    name = f"actloop-sbx-stale-{os.getpid()}"
+    subprocess.run(["docker", "run", "-d", "--rm", "--name", name, "--network", "none", "--label", "actloop.sandbox",
+                    "--label", "actloop.sandbox.deadline=1000.0", "--entrypoint", "sleep", DEFAULT_IMAGE, "300"],
+                   check=True, capture_output=True, timeout=60)
+    try:
+        assert remove_stale() >= 1
+        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={name}"], capture_output=True, text=True,
+                              timeout=30).stdout.split()
+        assert left == []
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+
+
+def test_docker_config_key_selects_the_tier(docker_sandbox, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import actloop.rewards.code as code
+    from actloop.config import load_config
+    from actloop.data.tasks import _use_configured_sandbox
+
+    monkeypatch.setattr(code, "_DEFAULT_SANDBOX", None)
+    cfg = load_config(None, ["sandbox.backend=docker", f"sandbox.docker_image={docker_sandbox.image}"])
+    _use_configured_sandbox(cfg)
+    sb = code.default_sandbox()
+    assert isinstance(sb, DockerSandbox) and sb.image == docker_sandbox.image
+    assert sb.run("print(1)").tier == "docker"
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -555,3 +655,77 @@ def test_ctrl_c_at_the_terminal_does_not_kill_the_steps_sandboxes(bwrap_sandbox)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res == {"exit": 0, "stdout": "done\n"}
+
+
+# ----------------------------------------------------------------------- CLI, Docker tier
+def test_cli_docker_backend_image_and_errors(docker_sandbox, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prog = tmp_path / "p.py"
+    prog.write_text("import os\nprint('uid', os.getuid())\n")
+    res = runner.invoke(app, ["run", str(prog), "--backend", "docker", "--image", docker_sandbox.image, "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    assert data["stdout"] == "uid 65534\n" and data["tier"] == "docker" and data["error"] is None
+    res = runner.invoke(app, ["run", str(prog), "--backend", "docker", "--image", "actloop-no-such-image:0"])
+    assert res.exit_code == 1 and "not present" in res.output and "build-image" in res.output
+    res = runner.invoke(app, ["run", str(prog), "--image", "x:1"])
+    assert res.exit_code == 1 and "--image is for --backend docker" in res.output
+
+
+def test_cli_doctor_reports_the_docker_tier(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    factory.probe_docker.cache_clear()
+    res = runner.invoke(app, ["doctor", "--image", docker_sandbox.image])
+    assert res.exit_code == 0, res.output
+    row = next(ln for ln in res.output.splitlines() if "docker" in ln and "image" in ln)
+    assert "yes" in row and "a test run as uid 65534 took" in res.output.replace("\n", " ").replace("│", "")
+    res = runner.invoke(app, ["doctor", "--image", "actloop-no-such-image:0"])
+    assert "build-image" in res.output
+
+
+def test_cli_build_image_is_cached(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    res = runner.invoke(app, ["build-image", "--image", docker_sandbox.image])
+    assert res.exit_code == 0 and "already present (cached" in res.output, res.output
+
+
+def test_doctor_says_why_bwrap_falls_back_for_an_unreachable_interpreter(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # as a non-root user the venv's base interpreter below /root (0700) is unreachable:
+    # the doctor must say so, not "does not exist" (issue 16)
+    down = TierStatus("bwrap", False, True, "interpreter /root/.pyenv/bin/python3.11 is not reachable by uid 60500: "
+                                            "/root is drwx------ owned by uid 0")
+    monkeypatch.setattr(factory, "probe_bwrap", lambda python=None: down)
+    res = runner.invoke(app, ["doctor", "--no-docker"])
+    text = " ".join(res.output.split())
+    assert "auto -> rlimit" in text and "because bwrap does not work here" in text and "not reachable by uid" in text
+
+
+def test_bwrap_unreachable_interpreter_is_named(tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+    import tempfile
+    from pathlib import Path
+
+    from actloop.sandbox import _proc
+
+    outer = Path(tempfile.mkdtemp(prefix="actloop-interp-"))  # pytest's own tmp root is 0700
+    outer.chmod(0o755)
+    locked = outer / "locked"
+    (locked / "bin").mkdir(parents=True)
+    py = locked / "bin" / "python3"
+    py.symlink_to(sys.executable)
+    locked.chmod(0o700)
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from actloop.sandbox import BwrapSandbox, SandboxError\n"
+              "try:\n    sb = BwrapSandbox(python=sys.argv[2])\nexcept SandboxError as e:\n    print('ERR', e)\n"
+              "sb = BwrapSandbox()\nprint('NOTE', sb.python_note or '-')\n")
+    from _as_user import RUNNER_UID, unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    python = _proc.find_reachable_python(sys.executable)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        r = subprocess.run(["setpriv", f"--reuid={RUNNER_UID}", f"--regid={RUNNER_UID}", "--clear-groups", "--",
+                            python, "-S", "-c", script, root, str(py)], capture_output=True, text=True, timeout=60,
+                           cwd="/")
+    finally:
+        shutil.rmtree(outer, ignore_errors=True)
+    assert r.returncode == 0, r.stderr
+    assert f"is not reachable by uid {RUNNER_UID}: {locked} is drwx------ owned by uid 0" in r.stdout, r.stdout
+    assert "NOTE -" in r.stdout  # its own default interpreter is reachable: no fallback needed
