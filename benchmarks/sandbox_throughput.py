@@ -10,12 +10,14 @@ Modes (all run the same code string, written to a file, with the same interprete
              because the sandbox runs Python with ``-S``
   bwrap      `BwrapSandbox.run` (namespaces, tmpfs, rlimits, watchdog, capped capture)
   rlimit     `RlimitSandbox.run` (the fallback tier)
+  docker     `DockerSandbox.run` (a container per run; with ``--docker``, fewer runs per cell
+             since each costs ~0.5 s: ``--docker-runs``)
 
 Concurrency N = N threads issuing runs. Modes are interleaved round by round so that a
 neighbour's load (this box is shared) hits all of them alike; the table reports the
 median of the rounds. Usage::
 
-    python benchmarks/sandbox_throughput.py [--runs 40] [--rounds 3] [--conc 1 2 4]
+    python benchmarks/sandbox_throughput.py [--runs 40] [--rounds 3] [--conc 1 2 4] [--docker [IMAGE]]
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from actloop.sandbox import BwrapSandbox, Limits, RlimitSandbox  # noqa: E402
+from actloop.sandbox import BwrapSandbox, DockerSandbox, Limits, RlimitSandbox  # noqa: E402
+from actloop.sandbox.docker import DEFAULT_IMAGE  # noqa: E402
 from actloop.sandbox.bwrap import default_python  # noqa: E402
 
 WORKLOADS = {
@@ -69,7 +72,7 @@ def naive(python: str, flags: list[str]) -> Callable[[str], bool]:
     return run
 
 
-def sandboxed(sb: BwrapSandbox | RlimitSandbox) -> Callable[[str], bool]:
+def sandboxed(sb: BwrapSandbox | RlimitSandbox | DockerSandbox) -> Callable[[str], bool]:
     def run(code: str) -> bool:
         return sb.run(code).exit_code == 0
 
@@ -93,6 +96,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conc", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--no-rlimit", action="store_true", help="skip the fallback tier")
+    ap.add_argument("--docker", nargs="?", const=DEFAULT_IMAGE, default=None, metavar="IMAGE",
+                    help=f"also the Docker tier, with this image (default {DEFAULT_IMAGE})")
+    ap.add_argument("--docker-runs", type=int, default=12, help="runs per cell and round for docker")
     args = ap.parse_args()
 
     python = default_python()
@@ -106,13 +112,16 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             modes["rlimit"] = sandboxed(RlimitSandbox(limits, warn=False))
+    if args.docker:
+        modes["docker"] = sandboxed(DockerSandbox(limits, image=args.docker))
 
     results: dict[tuple[str, int, str], list[float]] = {}
     for _ in range(args.rounds):
         for wl, code in WORKLOADS.items():
             for conc in args.conc:
                 for mode, fn in modes.items():
-                    results.setdefault((wl, conc, mode), []).append(throughput(fn, code, conc, args.runs))
+                    n = args.docker_runs if mode == "docker" else args.runs
+                    results.setdefault((wl, conc, mode), []).append(throughput(fn, code, conc, n))
 
     load = os.getloadavg()
     print(f"python: {python}; cpus: {os.cpu_count()}; load average at end: "

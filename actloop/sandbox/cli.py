@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from actloop.config import SandboxConfig
+
 from .base import IsolationUnavailableError, Limits, SandboxError
 from .docker import build_image as build_docker_image
 from .factory import diagnose, get_sandbox
@@ -66,8 +68,6 @@ def run(
 
 def _default_image() -> str:
     """The config's default `sandbox.docker_image` (one place for the name)."""
-    from actloop.config import SandboxConfig
-
     return SandboxConfig().docker_image
 
 

@@ -545,7 +545,7 @@ def test_docker_stale_containers_are_removed(docker_sandbox) -> None:  # type: i
 def test_docker_config_key_selects_the_tier(docker_sandbox, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import actloop.rewards.code as code
     from actloop.config import load_config
-    from actloop.data.tasks import _use_configured_sandbox
+    from actloop.tasks.registry import _use_configured_sandbox
 
     monkeypatch.setattr(code, "_DEFAULT_SANDBOX", None)
     cfg = load_config(None, ["sandbox.backend=docker", f"sandbox.docker_image={docker_sandbox.image}"])
