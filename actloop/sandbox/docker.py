@@ -7,7 +7,8 @@ and threads of this container only); ``--cpus``; a ``--read-only`` image root wi
 size-capped tmpfs at ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``; ``/tmp`` links there in the
 image `actloop sandbox build-image` makes) and a small private ``/dev/shm``;
 ``--cap-drop ALL``, ``no-new-privileges``, uid 65534; CPU-time, open-file, file-size and
-core rlimits; no host environment (only the variables we pass); no bind mount at all.
+core rlimits; exactly the environment of the other tiers (set by the preamble: nothing from the
+host, nor the ``HOSTNAME``/``TERM``/``container`` the runtimes add); no bind mount at all.
 
 How a run starts: files travel on stdin ahead of the program's own stdin. A Python preamble
 (`_BOOT`, so the image needs ``python3``) reads a length-prefixed JSON header, writes the
@@ -48,6 +49,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -72,7 +74,7 @@ STARTED = b"\x00actloop-sandbox-started\x00"
 CALL_TIMEOUT_S = 30.0
 STALE_GRACE_S = 60.0
 
-# Reads "<n>\n" + n bytes of JSON {"files": [[path, b64]], "init": src} from fd 0 without
+# Reads "<n>\n" + n bytes of JSON {"files": [[path, b64]], "init": src, "env": {...}} from fd 0 without
 # reading past it, writes the files into the tmpfs, marks the start, then execs the init
 # (which runs the program on the rest of stdin; a fresh interpreter, so tracebacks and
 # globals look as in the other tiers). Any failure before the marker is the
@@ -101,7 +103,7 @@ _BOOT = (
     "except OSError as e:\n"
     f" _fail('cannot write the work directory {WORKDIR}: '+str(e)+' (uid '+str(os.getuid())+')')\n"
     f"os.write(2,{STARTED!r})\n"
-    "os.environ.pop('HOSTNAME',None)\n"  # Docker always sets it; nothing from outside
+    "os.environ.clear();os.environ.update(s['env'])\n"  # not HOSTNAME, TERM, container, ...
     "os.execv(sys.executable,[sys.executable,'-S','-c',s['init']])\n"
 )
 
@@ -126,14 +128,22 @@ def _last_line(text: str, default: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
+def is_podman(exe: str) -> bool:
+    """Podman's docker-compatible CLI (``podman``, or ``docker`` from podman-docker)."""
+    if "podman" in os.path.basename(exe):
+        return True
+    ver = _call([exe, "--version"], timeout=10)
+    return "podman" in (ver.stdout + ver.stderr).lower()
+
+
+@functools.lru_cache(maxsize=8)
 def docker_available(docker: str = "docker") -> tuple[bool, str]:
     """(True, "docker 20.10.24") if the client reaches a daemon (or is a local Podman),
     else (False, why). Cached per process."""
     exe = shutil.which(docker)
     if not exe:
         return False, f"the {docker} client is not installed (apt-get install docker.io, or podman-docker)"
-    ver = _call([exe, "--version"], timeout=10)
-    podman = "podman" in (ver.stdout + ver.stderr).lower()
+    podman = is_podman(exe)
     fmt = "{{.Client.Version}}" if podman else "{{.Server.Version}}"
     r = _call([exe, "version", "--format", fmt], timeout=15)
     if r.returncode != 0 or not r.stdout.strip():
@@ -157,8 +167,10 @@ def missing_image_hint(image: str) -> str:
 def _remove_in_background(docker: str, name: str) -> None:
     """``docker rm -f NAME`` as a separate process that we do not wait for: it outlives
     this call (and this process), and a thread reaps it so no zombie is left."""
+    # Podman's `rm -f` first waits 10 s for a SIGTERM to work; `-t 0` kills at once, as Docker's does
+    argv = [docker, "rm", "-f", *(["-t", "0"] if is_podman(docker) else []), name]
     try:
-        p = subprocess.Popen([docker, "rm", "-f", name], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=_client_env(), start_new_session=True)
     except OSError as e:
         log.warning("docker sandbox: could not start `docker rm -f %s`: %s", name, e)
@@ -350,8 +362,9 @@ class DockerSandbox(AsyncMixin):
             "--hostname", "sandbox",
             "--log-driver", "none",
         ]
-        for k, v in self._env.items():
-            cmd += ["--env", f"{k}={v}"]
+        if is_podman(self.docker):
+            # --read-only alone also mounts unbounded tmpfs on /tmp, /var/tmp and /run there
+            cmd += ["--read-only-tmpfs=false", "--ulimit", f"nproc={_podman_nproc()}"]
         cmd += ["--entrypoint", "python3", self.image, "-S", "-c", _BOOT]
         return cmd
 
@@ -360,7 +373,8 @@ class DockerSandbox(AsyncMixin):
             argv = ["python", "main.py"]
         assert argv
         init = _proc.init_command(["python3", "-S"], argv, WORKDIR, limits, nproc=None, init=True)[-1]
-        spec = {"files": [[p, base64.b64encode(d).decode()] for p, d in files.items()], "init": init}
+        spec = {"files": [[p, base64.b64encode(d).decode()] for p, d in files.items()], "init": init,
+                "env": self._env}
         body = json.dumps(spec).encode()
         return str(len(body)).encode() + b"\n" + body
 
@@ -446,6 +460,22 @@ class DockerSandbox(AsyncMixin):
 
     def __repr__(self) -> str:
         return f"DockerSandbox(image={self.image!r}, docker={self.docker!r})"
+
+
+@functools.lru_cache(maxsize=1)
+def _podman_nproc() -> str:
+    """Podman asks for a high RLIMIT_NPROC by default, which its runtime could not set here
+    ("error setting rlimit type 6: operation not permitted" above kernel.pid_max): ask for no
+    more than pid_max, which no uid can exceed anyway. It counts per host uid across
+    containers, so it is no per-run limit; ``--pids-limit`` is."""
+    n = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+        n = pid_max if n == resource.RLIM_INFINITY else min(n, pid_max)
+    except (OSError, ValueError):
+        pass
+    return f"{n}:{n}" if n != resource.RLIM_INFINITY else "-1:-1"
 
 
 def _strip_started(buf: _proc.CappedBuffer) -> str | None:

@@ -27,8 +27,13 @@ ATTACK_LIMITS = Limits(timeout_s=1.5, max_procs=32, memory_mb=256, tmpfs_mb=8, m
 VARIANTS = ["bwrap", "bwrap-unprivileged", "rlimit", "rlimit-unprivileged", "docker"]
 
 
+# The Docker variant's client and image: `ACTLOOP_TEST_DOCKER=podman` runs it against Podman.
+DOCKER_CLI = os.environ.get("ACTLOOP_TEST_DOCKER", "docker")
+DOCKER_IMAGE = os.environ.get("ACTLOOP_TEST_DOCKER_IMAGE", DEFAULT_IMAGE)
+
+
 def docker_skip_reason() -> str | None:
-    status = probe_docker(DEFAULT_IMAGE)
+    status = probe_docker(DOCKER_IMAGE, DOCKER_CLI)
     return None if status.available else f"docker tier unavailable here: {status.reason}"
 
 
@@ -60,7 +65,7 @@ def _make_sandbox(variant: str):  # type: ignore[no-untyped-def]
             pytest.skip(why)
         from actloop.sandbox import DockerSandbox
 
-        return DockerSandbox(ATTACK_LIMITS, image=DEFAULT_IMAGE)
+        return DockerSandbox(ATTACK_LIMITS, image=DOCKER_IMAGE, docker=DOCKER_CLI)
     raise ValueError(variant)
 
 
@@ -102,4 +107,4 @@ def docker_sandbox():  # type: ignore[no-untyped-def]
         pytest.skip(why)
     from actloop.sandbox import DockerSandbox
 
-    return DockerSandbox(image=DEFAULT_IMAGE)
+    return DockerSandbox(image=DOCKER_IMAGE, docker=DOCKER_CLI)

@@ -542,7 +542,14 @@ def test_docker_stale_containers_are_removed(docker_sandbox) -> None:  # type: i
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
 
 
+def _docker_cli_only(sb) -> None:  # type: ignore[no-untyped-def]
+    """The CLI and the config key use the `docker` client; skip when the suite runs another."""
+    if sb.docker != shutil.which("docker"):
+        pytest.skip(f"the CLI and config use the docker client; this run tests {sb.docker}")
+
+
 def test_docker_config_key_selects_the_tier(docker_sandbox, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _docker_cli_only(docker_sandbox)
     import actloop.rewards.code as code
     from actloop.config import load_config
     from actloop.tasks.registry import _use_configured_sandbox
@@ -659,6 +666,7 @@ def test_ctrl_c_at_the_terminal_does_not_kill_the_steps_sandboxes(bwrap_sandbox)
 
 # ----------------------------------------------------------------------- CLI, Docker tier
 def test_cli_docker_backend_image_and_errors(docker_sandbox, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _docker_cli_only(docker_sandbox)
     prog = tmp_path / "p.py"
     prog.write_text("import os\nprint('uid', os.getuid())\n")
     res = runner.invoke(app, ["run", str(prog), "--backend", "docker", "--image", docker_sandbox.image, "--json"])
@@ -672,6 +680,7 @@ def test_cli_docker_backend_image_and_errors(docker_sandbox, tmp_path) -> None: 
 
 
 def test_cli_doctor_reports_the_docker_tier(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    _docker_cli_only(docker_sandbox)
     factory.probe_docker.cache_clear()
     res = runner.invoke(app, ["doctor", "--image", docker_sandbox.image])
     assert res.exit_code == 0, res.output
@@ -682,6 +691,7 @@ def test_cli_doctor_reports_the_docker_tier(docker_sandbox) -> None:  # type: ig
 
 
 def test_cli_build_image_is_cached(docker_sandbox) -> None:  # type: ignore[no-untyped-def]
+    _docker_cli_only(docker_sandbox)
     res = runner.invoke(app, ["build-image", "--image", docker_sandbox.image])
     assert res.exit_code == 0 and "already present (cached" in res.output, res.output
 
