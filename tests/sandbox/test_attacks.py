@@ -155,8 +155,11 @@ def test_memory_bomb(sandbox, variant) -> None:  # type: ignore[no-untyped-def]
         "while True:\n"
         "    chunks.append(bytearray(32 * 2**20))\n"
     )
-    res, wall = timed(sandbox.run, code)
-    assert_back_in_time(res, wall)
+    # the limit must stop it, not the clock: room for zero-filling 256 MiB on a loaded box
+    # (and a container's start), where 1.5 s was sometimes not enough
+    limits = ATTACK_LIMITS.replace(timeout_s=5.0)
+    res, wall = timed(sandbox.run, code, limits=limits)
+    assert_back_in_time(res, wall, limits.timeout_s)
     assert res.oom and not res.timed_out and res.exit_code != 0, res
     assert "MemoryError" in res.stderr
 
