@@ -10,9 +10,8 @@ from pathlib import Path
 
 import typer
 
-from actloop.config import SandboxConfig
-
 from .base import IsolationUnavailableError, Limits, SandboxError
+from .docker import DEFAULT_IMAGE
 from .docker import build_image as build_docker_image
 from .factory import diagnose, get_sandbox
 
@@ -67,8 +66,8 @@ def run(
 
 
 def _default_image() -> str:
-    """The config's default `sandbox.docker_image` (one place for the name)."""
-    return SandboxConfig().docker_image
+    """`DEFAULT_IMAGE`, the default of the config key `sandbox.docker_image` too."""
+    return DEFAULT_IMAGE
 
 
 @app.command()

@@ -429,6 +429,13 @@ def test_docker_command_line_has_the_isolation_flags() -> None:
     assert not any(c.startswith("HOSTNAME=") or c.startswith("USER=") for c in cmd)
 
 
+def test_docker_default_image_is_the_config_default() -> None:
+    from actloop.config import SandboxConfig
+    from actloop.sandbox.docker import DEFAULT_IMAGE
+
+    assert SandboxConfig().docker_image == DEFAULT_IMAGE  # config cannot import the sandbox layer
+
+
 def test_docker_boot_failure_comes_before_the_start_marker() -> None:
     # The preamble that unpacks files inside the container, on the host: /sandbox is absent
     # here, so it must fail as the sandbox (exit 125, a reason, no start marker).
