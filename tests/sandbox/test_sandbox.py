@@ -436,6 +436,18 @@ def test_docker_default_image_is_the_config_default() -> None:
     assert SandboxConfig().docker_image == DEFAULT_IMAGE  # config cannot import the sandbox layer
 
 
+def test_docker_start_marker_splits_client_chatter_from_program_stderr() -> None:
+    from actloop.sandbox.docker import STARTED, _strip_started
+
+    buf = CappedBuffer(1 << 10)
+    buf.feed(b"WARNING: Your kernel does not support swap limit capabilities\n" + STARTED + b"program err\n")
+    assert _strip_started(buf) == "WARNING: Your kernel does not support swap limit capabilities\n"
+    assert buf.text("stderr") == "program err\n" and not buf.truncated
+    nothing = CappedBuffer(1 << 10)
+    nothing.feed(b"docker: Error response from daemon: No such image\n")
+    assert _strip_started(nothing) is None  # never started: the sandbox's failure
+
+
 def test_docker_boot_failure_comes_before_the_start_marker() -> None:
     # The preamble that unpacks files inside the container, on the host: /sandbox is absent
     # here, so it must fail as the sandbox (exit 125, a reason, no start marker).
