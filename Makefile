@@ -49,8 +49,8 @@ clean-venv:
 # `make test` also readies the Docker tier where the machine allows: docker.io + debootstrap
 # (root + apt), a daemon started in the background if none answers, and the offline image
 # (cached). Never fatal: the Docker tests skip with the reason otherwise. `make docker-sandbox`
-# alone does the same. Costs on a fresh machine: ~15 s of apt, ~2 s for the daemon, 35-110 s of
-# debootstrap for the image, once.
+# alone does the same. Costs on a fresh machine, once: apt 11-43 s, the daemon ~2 s, debootstrap
+# 35 s idle to 180 s under load (docs/sandbox.md); then under a second.
 DOCKER_IMAGE ?= actloop-sandbox:bookworm
 .PHONY: docker-sandbox
 docker-sandbox: setup
