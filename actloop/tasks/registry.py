@@ -85,8 +85,8 @@ def task_rows(task: Task, cfg: Config, n_eval: int) -> tuple[list[Row], list[Row
         return train, held[:n_eval], info
     if task.splits is not None:
         try:
-            train, held = task.splits(max(train_size, 0), n_eval if split != "train" else 0, cfg.seed,
-                                      split if split != "train" else "test")
+            # data.split=train: held-out rows are the first training rows (generated as for `test`)
+            train, held = task.splits(max(train_size, 0), n_eval, cfg.seed, "test" if split == "train" else split)
         except ValueError as e:
             raise ConfigError(f"task {task.name}: {e}") from None
         if split == "train":
