@@ -35,6 +35,10 @@ def echoed(prompts, completions, word, **kw):
 TASK = Task(name="echo", env=lambda: PromptEnv("Repeat the word.", [], lambda r: r["word"]), rewards=[echoed],
             splits=rows, gold=lambda r: r["word"], description="say the word back")
 NOT_A_TASK = 3
+
+
+def from_config(cfg):  # a function cfg -> Task, for tasks built from the configuration
+    return Task(name=f"echo-{cfg.seed}", env=TASK.env, rewards=[echoed], splits=rows)
 '''
 
 
@@ -68,6 +72,8 @@ def test_resolve_names_modules_and_files(user_file):
         resolve("poetry")
     with pytest.raises(ConfigError, match="has no object `NOPE`"):
         resolve(f"{user_file}:NOPE")
+    assert resolve(f"{user_file}:from_config", load_config(None, ["seed=7"])).name == "echo-7"
+    assert build(f"data.task={user_file}:from_config", "seed=3", "data.train_size=2").name == "echo-3"
     with pytest.raises(ConfigError, match="is a int, not an actloop Task"):
         resolve(f"{user_file}:NOT_A_TASK")
     with pytest.raises(ConfigError, match="does not exist"):
