@@ -48,6 +48,8 @@ def test_a_new_tool_task_in_one_file_trains_evaluates_and_grades(tmp_path):
     run_cli("train", f"data.task={spec}", *TINY, f"output_dir={tmp_path}", "run_name=mine", cwd=tmp_path)
     lines = metrics(tmp_path / "mine")
     assert [r["step"] for r in lines] == [1, 2]
+    print("user task:", [{k: r[k] for k in ("step", "tool_calls_per_episode", "trained_trajectories", "reward_mean")}
+                         for r in lines])
     assert sum(r["tool_calls_per_episode"] for r in lines) > 0  # the model called the tool
     assert sum(r["trained_trajectories"] for r in lines) > 0
     samples = [json.loads(x) for x in (tmp_path / "mine" / "samples.jsonl").read_text().splitlines()]
@@ -67,4 +69,6 @@ def test_a_new_tool_task_in_one_file_trains_evaluates_and_grades(tmp_path):
 def test_each_example_task_trains_two_steps(path, tmp_path):
     run_cli("train", f"data.task=examples/tasks/{path.name}:TASK", *TINY, f"output_dir={tmp_path}", "run_name=ex")
     lines = metrics(tmp_path / "ex")
+    print(path.stem, [{k: r.get(k) for k in ("step", "tool_calls_per_episode", "trained_trajectories", "reward_mean")}
+                      for r in lines])
     assert [r["step"] for r in lines] == [1, 2] and all(r["response_tokens"] > 0 for r in lines)
