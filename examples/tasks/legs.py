@@ -18,13 +18,12 @@ LEGS = {"spider": 8, "cat": 4, "bird": 2, "ant": 6, "dog": 4, "chicken": 2, "bee
 
 
 def question(row):
-    (a, x), (b, y) = row["animals"]
-    return f"How many legs do {a} {x}s and {b} {y}s have in total?"
+    return f"A {row['animal']} has {row['legs']} legs. How many legs do {row['n']} {row['animal']}s have?"
 
 
 SHOTS = qa_shots([
-    (question({"animals": [[2, "horse"], [3, "duck"]]}), "2 horses have 2 * 4 = 8 legs, 3 ducks 3 * 2 = 6.\n#### 14"),
-    (question({"animals": [[1, "crab"], [4, "frog"]]}), "1 crab has 10 legs, 4 frogs 4 * 4 = 16.\n#### 26"),
+    (question({"animal": "horse", "legs": 4, "n": 3}), "3 horses have 3 * 4 = 12 legs.\n#### 12"),
+    (question({"animal": "duck", "legs": 2, "n": 5}), "5 ducks have 5 * 2 = 10 legs.\n#### 10"),
 ])
 
 
@@ -33,16 +32,10 @@ def make_env():
 
 
 def splits(train_size, eval_size, seed, split):
-    def draw(rng):
-        x, y = rng.sample(sorted(LEGS), 2)
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-        return {"animals": [[a, x], [b, y]], "answer": a * LEGS[x] + b * LEGS[y]}
-
-    held = [draw(random.Random(f"{split}-{seed}-{i}")) for i in range(eval_size)]
-    keys = {str(r["animals"]) for r in held}
-    rng = random.Random(f"train-{seed}")
-    train = [r for r in (draw(rng) for _ in range(3 * train_size + 10)) if str(r["animals"]) not in keys]
-    return train[:train_size], held
+    rows = [{"animal": a, "legs": legs, "n": n, "answer": n * legs} for a, legs in LEGS.items() for n in range(2, 30)]
+    random.Random(f"{split}-{seed}").shuffle(rows)
+    k, rng = min(eval_size, len(rows) // 3), random.Random(f"train-{seed}")  # held-out rows never in training
+    return [rng.choice(rows[k:]) for _ in range(train_size)], rows[:k]
 
 
 def mentions_answer(prompts, completions, answer, **kwargs):
