@@ -119,7 +119,7 @@ def _path_rows(cfg: Config, validate=chat_row) -> tuple[list[Row], list[Row], li
     rows, info = _file_rows(cfg.data.path, cfg, validate)
     if cfg.data.eval_path:
         eval_rows, eval_info = _file_rows(cfg.data.eval_path, cfg, validate)
-        return rows, eval_rows[: cfg.data.eval_size], [info, eval_info]
+        return rows, eval_rows, [info, eval_info]
     rng = random.Random(cfg.seed)
     rows = rows[:]
     rng.shuffle(rows)
