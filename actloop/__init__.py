@@ -20,6 +20,7 @@ _EXPORTS = {
     "ToolEnv": "actloop.envs.tools", "ToolError": "actloop.envs.tools", "tool": "actloop.envs.tools",
     "tool_schema": "actloop.envs.tools",
     "Flag": "actloop.rewards.flags", "Grade": "actloop.rewards.flags",
+    "CODE_DETECTORS": "actloop.rewards.hacking", "MATH_DETECTORS": "actloop.rewards.hacking",
     "RewardTerm": "actloop.rewards.rubric", "Rubric": "actloop.rewards.rubric",
     "Task": "actloop.tasks.base",
     "Message": "actloop.types", "ToolCall": "actloop.types", "Trajectory": "actloop.types",

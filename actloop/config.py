@@ -35,8 +35,9 @@ def opt(default: Any, doc: str, **kw: Any) -> Any:
 class DataConfig:
     task: str = opt(
         "calculator",
-        "Built-in task: environment + rubric + data. calculator (the demo), gsm8k, gsm8k-tool, mbpp, humaneval "
-        "(evaluation only), instructions, countdown; see docs/tasks.md.",
+        "Task: environment + rubric + rows. A built-in one (`actloop tasks`: calculator, the demo; gsm8k, "
+        "gsm8k-tool, mbpp, humaneval, instructions, countdown), or your own Task object as package.module:OBJECT "
+        "or path/to/file.py:OBJECT; see docs/tasks.md.",
     )
     path: str | None = opt(
         None,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import typing
 from typing import Any, Callable, ClassVar, Sequence
 
 from transformers.utils import get_json_schema
@@ -67,12 +68,28 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """The OpenAI function schema of `fn` from its type hints and docstring (``Args:`` section).
     A method's `self` is not a parameter."""
     try:
-        schema = get_json_schema(fn)
+        schema = get_json_schema(_without_receiver(fn))
     except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
         raise TypeError(f"tool `{getattr(fn, '__name__', fn)}`: {e} (every argument needs a type hint and a line "
                         "in the docstring's Args: section)") from None
     schema["function"].pop("return", None)
     return schema
+
+
+def _without_receiver(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as get_json_schema should see it: a method's `self` dropped (older transformers
+    releases require a type hint on every parameter), type hints already resolved."""
+    params = list(inspect.signature(fn).parameters.values())
+    if not params or params[0].name not in ("self", "cls"):
+        return fn
+
+    def stub(*args: Any, **kwargs: Any) -> Any: ...
+
+    hints = typing.get_type_hints(fn)
+    stub.__name__, stub.__doc__ = fn.__name__, fn.__doc__
+    stub.__signature__ = inspect.signature(fn).replace(parameters=params[1:])  # type: ignore[attr-defined]
+    stub.__annotations__ = {k: v for k, v in hints.items() if k != params[0].name}
+    return stub
 
 
 def _type_problem(value: Any, schema: dict[str, Any]) -> str | None:

@@ -562,8 +562,3 @@ def grade_from_report(report: TestReport, all_or_nothing: bool = False) -> Grade
     frac = report.passed / report.total
     score = float(frac == 1.0) if all_or_nothing else frac
     return Grade(score, report.flags, info)
-
-
-def mbpp_gold_completion(row: Mapping[str, Any]) -> str:
-    """MBPP's reference solution as a model would answer: a ```python block."""
-    return f"```python\n{row['code']}\n```"

@@ -22,7 +22,7 @@ from actloop.envs.base import StepResult
 from actloop.envs.prompted import qa_shots
 from actloop.envs.tools import ToolEnv, ToolError, tool
 from actloop.rewards.code import (CodeGrader, TestReport, TestResult, extract_code,
-                                  mbpp_gold_completion, parse_test, run_tests, tests_from_row)
+                                  parse_test, run_tests, tests_from_row)
 from actloop.rewards.hacking import CODE_DETECTORS
 from actloop.rewards.rubric import RewardTerm
 from actloop.sandbox import Sandbox
@@ -104,6 +104,11 @@ class MBPPEnv(ToolEnv):
         return {"test_runs": self.runs}
 
 
+def gold_completion(row: Mapping[str, Any]) -> str:
+    """MBPP's reference solution as a model would answer: a ```python block."""
+    return f"```python\n{row['code']}\n```"
+
+
 def test_runs(prompts, completions, trajectories, **kwargs) -> list[float]:
     """How many times the episode ran the visible tests (logged, weight 0)."""
     return [float(t.info.get("test_runs", 0)) for t in trajectories]
@@ -118,7 +123,7 @@ TASK = Task(
     dataset="mbpp",
     success="tests",
     detectors=tuple(CODE_DETECTORS),
-    gold=mbpp_gold_completion,
+    gold=gold_completion,
     description="write a Python function, run the visible tests (a tool), revise; graded on all tests",
     id_field="task_id",
 )

@@ -3,6 +3,7 @@
     resolve("gsm8k")                       # a built-in task (`actloop tasks` lists them)
     resolve("my_pkg.tasks:TASK")           # a Task object in an importable module
     resolve("path/to/my_task.py:TASK")     # a Task object in a file
+    resolve("my_pkg.agents:make_task", cfg)  # a function cfg -> Task (tasks built from the config)
     build_task(cfg)                        # -> LoadedTask: environment factory, rubric, rows
 
 Rows: a task's own (`Task.splits` generates them, `Task.dataset` reads a built-in dataset), or
@@ -19,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-from actloop.config import Config, ConfigError
+from actloop.config import Config, ConfigError, load_config
 from actloop.data.jsonl import DataError
 from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mix, tag
 from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_rows, read_rows
@@ -43,8 +44,12 @@ def is_task_spec(spec: str) -> bool:
     return spec in BUILTIN or ":" in spec
 
 
-def resolve(spec: str) -> Task:
-    """The `Task` that `spec` names: a built-in name, `package.module:OBJECT` or `file.py:OBJECT`."""
+def resolve(spec: str, cfg: Config | None = None) -> Task:
+    """The `Task` that `spec` names: a built-in name, `package.module:OBJECT` or `file.py:OBJECT`.
+
+    OBJECT is a `Task`, or a function `(cfg) -> Task` for tasks built from the configuration
+    (an agent task whose entry point is a config key, say); it is called with `cfg` (the
+    defaults when None)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     if ":" not in spec:
@@ -54,6 +59,12 @@ def resolve(spec: str) -> Task:
         obj = load_object(spec, "task", "OBJECT")
     except RewardError as e:
         raise ConfigError(str(e)) from None
+    if callable(obj) and not isinstance(obj, (Task, type)):
+        try:
+            obj = obj(cfg if cfg is not None else load_config(None, []))
+        except Exception as e:
+            raise ConfigError(f"task `{spec}`: calling it with the config failed: {type(e).__name__}: {e} "
+                              "(OBJECT must be a Task or a function cfg -> Task)") from e
     if not isinstance(obj, Task):
         raise ConfigError(f"`{spec}` is a {type(obj).__name__}, not an actloop Task (from actloop import Task)")
     return obj
@@ -88,8 +99,8 @@ def task_rows(task: Task, cfg: Config, n_eval: int) -> tuple[list[Row], list[Row
         return train, held[:n_eval], info
     if task.splits is not None:
         try:
-            train, held = task.splits(max(train_size, 0), n_eval if split != "train" else 0, cfg.seed,
-                                      split if split != "train" else "test")
+            # data.split=train: held-out rows are the first training rows (generated as for `test`)
+            train, held = task.splits(max(train_size, 0), n_eval, cfg.seed, "test" if split == "train" else split)
         except ValueError as e:
             raise ConfigError(f"task {task.name}: {e}") from None
         if split == "train":
@@ -111,7 +122,7 @@ def _path_rows(cfg: Config, validate=chat_row) -> tuple[list[Row], list[Row], li
     rows, info = _file_rows(cfg.data.path, cfg, validate)
     if cfg.data.eval_path:
         eval_rows, eval_info = _file_rows(cfg.data.eval_path, cfg, validate)
-        return rows, eval_rows[: cfg.data.eval_size], [info, eval_info]
+        return rows, eval_rows, [info, eval_info]
     rng = random.Random(cfg.seed)
     rows = rows[:]
     rng.shuffle(rows)
@@ -144,7 +155,7 @@ def build_task(cfg: Config) -> LoadedTask:
         train, held, info = _path_rows(cfg)
         rubric = Rubric(user_terms, completion=cfg.reward.completion, success_threshold=cfg.reward.success_threshold)
         return LoadedTask("custom", ChatEnv, rubric, train, held, info={"load": info})
-    task = resolve(cfg.data.task)
+    task = resolve(cfg.data.task, cfg)
     if cfg.data.path:  # the user's rows, the task's environment and rubric
         train, held, info = _path_rows(cfg, validate=None)
     else:
@@ -165,7 +176,7 @@ def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
     for spec, w in weights.items():
         n_eval = eval_counts[spec]
         if is_task_spec(spec):
-            task = resolve(spec)
+            task = resolve(spec, cfg)
             if task.rollout is not None:
                 raise ConfigError(f"data.mix: task `{task.name}` runs its own episodes (Task.rollout) and cannot be "
                                   "mixed with others")

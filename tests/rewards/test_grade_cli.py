@@ -62,7 +62,8 @@ def test_instructions_from_a_data_file_and_the_data_dir_override(tmp_path, monke
     (["--task", "gsm8k", "--id", "5000"], "rows 0..1318"),
     (["--task", "mbpp", "--id", "99999"], "no mbpp row with task_id 99999"),
     (["--task", "nope.py:TASK", "--id", "0"], "does not exist"),
-    (["--task", "json:loads", "--id", "0"], "not an actloop Task"),
+    (["--task", "json:__name__", "--id", "0"], "is a str, not an actloop Task"),
+    (["--task", "json:loads", "--id", "0"], "calling it with the config failed"),
 ])
 def test_bad_arguments_fail_with_a_message(tmp_path, args, msg):
     result = grade(tmp_path, "#### 1", *args)
