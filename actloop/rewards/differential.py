@@ -226,6 +226,7 @@ class Domain:
     max_abs: float = 0.0
     decimals: int = 0
     alphabet: tuple[str, ...] = ()
+    digits: tuple[str, ...] = ()  # ints written with few digits (binary numbers as 1011): mutated digit-wise
     nonempty: bool = False
     order: str = ""  # "asc" / "desc" when every ordered example of length >= 2 is sorted
     distinct: bool = False
@@ -244,6 +245,9 @@ class Domain:
         d.decimals = max((len(repr(x).split(".")[1]) for x in nums if type(x) is float and "e" not in repr(x)),
                          default=0)
         d.alphabet = tuple(sorted({c for x in examples if type(x) is str for c in x}))
+        written = "".join(str(abs(x)) for x in examples if type(x) is int)
+        if len(written) >= 6 and len(set(written)) <= 3:
+            d.digits = tuple(sorted(set(written)))
         sized = [x for x in examples if isinstance(x, _SIZED)]
         d.nonempty = bool(sized) and all(len(x) > 0 for x in sized)
         seqs = [x for x in examples if type(x) in (list, tuple) and len(x) >= 2]
@@ -317,6 +321,10 @@ def _bounded(x: float, dom: Domain) -> bool:
 
 
 def _mutate_int(v: int, dom: Domain, rng: random.Random) -> int:
+    if dom.digits:  # 1011 -> 10011, 1111, 101...: stays written in the same digits
+        s = _mutate_str(str(abs(v)), Domain([], alphabet=dom.digits, nonempty=True), rng)
+        x = int(s) * (-1 if v < 0 else 1)
+        return x if x > 0 or x == 0 and not dom.positive or not dom.nonneg else v
     ints = [x for x in dom.examples if type(x) is int]
     for _ in range(8):
         op = rng.randrange(7)

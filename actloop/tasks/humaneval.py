@@ -71,6 +71,11 @@ class HumanEvalGrader(CodeGrader):
         return super().grade(f"```python\n{humaneval_program(row, completion)}```", row)
 
 
+def humaneval_reference(row: Mapping[str, Any]) -> str:
+    """The reference program for differential testing: the prompt with its canonical solution."""
+    return humaneval_program(row, humaneval_gold_completion(row))
+
+
 def humaneval_gold_completion(row: Mapping[str, Any]) -> str:
     """The canonical solution (a function body) as a whole function in a ```python block."""
     return f"```python\n{stub(row)}{row['canonical_solution']}\n```"
@@ -79,7 +84,7 @@ def humaneval_gold_completion(row: Mapping[str, Any]) -> str:
 TASK = Task(
     name="humaneval",
     env=humaneval_env,
-    rewards=[RewardTerm("tests", HumanEvalGrader())],
+    rewards=[RewardTerm("tests", HumanEvalGrader(reference=humaneval_reference))],
     dataset="humaneval",
     success="tests",
     detectors=tuple(CODE_DETECTORS),

@@ -25,6 +25,8 @@ from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mi
 from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_rows, read_rows
 from actloop.envs.base import ChatEnv, Env
 from actloop.rewards.base import RewardError, load_object, load_reward_func
+from actloop.rewards.code import CodeGrader
+from actloop.rewards.differential import DiffSettings
 from actloop.rewards.flags import Flag
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
 from actloop.tasks import calculator, countdown, gsm8k, gsm8k_tool, humaneval, instructions, mbpp
@@ -133,8 +135,18 @@ def build_task(cfg: Config) -> LoadedTask:
         train, held, info = _path_rows(cfg, validate=None)
     else:
         train, held, info = task_rows(task, cfg, cfg.data.eval_size)
-    return LoadedTask(task.name, task.env, task.rubric(cfg.reward.completion, user_terms), tag(train, task.name),
+    return LoadedTask(task.name, task.env, _configured(task.rubric(cfg.reward.completion, user_terms), cfg),
+                      tag(train, task.name),
                       tag(held, task.name), info={"load": info}, rollout=task.rollout, definition=task)
+
+
+def _configured(rubric: Rubric, cfg: Config) -> Rubric:
+    """`reward.differential*` applied to the rubric's code graders (its terms are fresh copies)."""
+    settings = DiffSettings(cfg.reward.differential, cfg.reward.differential_inputs, cfg.reward.differential_seed)
+    for term in rubric.terms:
+        if isinstance(term.func, CodeGrader):
+            term.func.differential = settings
+    return rubric
 
 
 def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
@@ -156,7 +168,7 @@ def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
             name = task.name
             train, h, ti = task_rows(task, cfg, n_eval)
             info += ti
-            envs[name], rubrics[name] = task.env, task.rubric(cfg.reward.completion, user_terms)
+            envs[name], rubrics[name] = task.env, _configured(task.rubric(cfg.reward.completion, user_terms), cfg)
         else:
             if not user_terms:
                 raise ConfigError(f"data.mix source `{spec}` is custom data: name its reward functions in reward.funcs")
