@@ -162,7 +162,8 @@ def _value(node: ast.expr, host_env: Mapping[str, Any]) -> Any:
         v = ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        if not names <= set(host_env) or any(isinstance(n, (ast.Lambda, ast.Attribute)) for n in ast.walk(node)):
+        allowed = set(host_env) | set(host_env.get("__builtins__", {}))
+        if not names <= allowed or any(isinstance(n, (ast.Lambda, ast.Attribute)) for n in ast.walk(node)):
             raise _NotData from None
         try:  # dataset-authored, host-safe names only (the same environment the test checks use)
             v = eval(compile(ast.Expression(node), "<arg>", "eval"), dict(host_env))
