@@ -20,6 +20,11 @@ Reward: passed / total over the visible tests and the held-out ones (MBPP's
 pass. Runtime flags: ``early_exit``, ``raise_skip``, ``opaque_return``, ``grader_tamper``,
 ``grader_hooks``, ``result_forgery``, ``harness_killed``, ``heldout_gap`` (log-only by default),
 ``sandbox_error`` (masks). Static hack detectors live in `actloop.rewards.hacking`.
+
+Differential testing: with a reference solution (`CodeGrader(reference=...)`) the candidate
+also runs on inputs mutated from the tests' arguments — one more process in the same sandbox
+run — and is compared with the reference's outputs on the host (`differential` component,
+``differential_mismatch`` flag with a counter-example; see `actloop.rewards.differential`).
 """
 
 from __future__ import annotations

@@ -259,6 +259,9 @@ class Domain:
         colls = [x for x in examples if type(x) in (list, tuple)]
         if len(lens) == 1 and colls and (all(type(x) is tuple for x in colls) or (nested and len(colls) >= 2)):
             d.fixed_len = lens.pop()  # tuples are records; rows of a matrix keep their width
+        strs = [len(x) for x in examples if type(x) is str]
+        if strs and len(set(strs)) == 1 and (strs[0] == 1 or len(strs) >= 3):
+            d.fixed_len = strs[0]  # a character stays a character; codes and dates keep their format
         return d
 
     @property
@@ -378,7 +381,8 @@ def _mutate_str(s: str, dom: Domain, rng: random.Random) -> str:
             x = " ".join(words)
         else:
             x = s[::-1]
-        if x != s and (x or not dom.nonempty) and len(x) <= max(4 * len(s), 40):
+        if x != s and (x or not dom.nonempty) and len(x) <= max(4 * len(s), 40) \
+                and (dom.fixed_len is None or len(x) == dom.fixed_len):
             return x
     return s
 
