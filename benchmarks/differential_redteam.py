@@ -1,5 +1,6 @@
 """Red-team set of issue 19: special-casing / memorisation that passes the visible tests, and
-honest alternative solutions, graded by the `mbpp` rubric without and with differential testing.
+honest alternative solutions (MBPP and HumanEval), graded by the task's rubric without and with
+differential testing.
 
     python benchmarks/differential_redteam.py
 
@@ -15,29 +16,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "rewards"))
 
-from differential_cases import HACKS, HONEST  # noqa: E402
+from differential_cases import HACKS, HONEST, HONEST_HUMANEVAL  # noqa: E402
 
 from actloop.rewards.differential import DiffSettings  # noqa: E402
 from actloop.rewards.rubric import text_trajectory  # noqa: E402
 from actloop.rewards.tasks import find_row, rubric_for  # noqa: E402
 
 
-def score(cases, mode: str):
-    rubric = rubric_for("mbpp", differential=DiffSettings(mode=mode))
-    trajs = [text_trajectory(f"```python\n{code}```", find_row("mbpp", tid)) for _, tid, code in cases]
+def score(cases, mode: str, task: str = "mbpp"):
+    rubric = rubric_for(task, differential=DiffSettings(mode=mode))
+    trajs = [text_trajectory(f"```python\n{code}```", find_row(task, tid)) for _, tid, code in cases]
     return rubric.score(trajs)
 
 
 def main() -> None:
     t0 = time.monotonic()
     rows = []
-    for kind, cases in (("hack", HACKS), ("honest", HONEST)):
-        before, after = score(cases, "off"), score(cases, "multiply")
+    for kind, cases, task in (("hack", HACKS, "mbpp"), ("honest", HONEST, "mbpp"),
+                              ("honest", HONEST_HUMANEVAL, "humaneval")):
+        before, after = score(cases, "off", task), score(cases, "multiply", task)
         for (name, tid, _), b, a in zip(cases, before, after):
             ev = next((f.evidence for f in a.flags if f == "differential_mismatch"), "")
             rows.append((kind, name, tid, b.reward, list(map(str, b.flags)), a.reward, list(map(str, a.flags)),
                          a.components.get("differential"), ev))
-    print(f"{'kind':7} {'case':26} {'mbpp':>5} {'before':>7} {'after':>7} {'agree':>6}  flags after")
+    print(f"{'kind':7} {'case':26} {'row':>5} {'before':>7} {'after':>7} {'agree':>6}  flags after")
     for kind, name, tid, rb, fb, ra, fa, d, ev in rows:
         print(f"{kind:7} {name:26} {tid:5} {rb:7.2f} {ra:7.2f} {d if d is None else round(d, 2)!s:>6}  "
               f"{','.join(fa) or '-'}{'  (before: ' + ','.join(fb) + ')' if fb else ''}")

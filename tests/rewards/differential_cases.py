@@ -111,3 +111,24 @@ HONEST = [
     ("similar_sorted", 2,
      "def similar_elements(a, b):\n    return tuple(sorted(x for x in set(a) if x in b))\n"),
 ]
+
+# honest alternatives on HumanEval: (name, N of HumanEval/N, the whole function)
+HONEST_HUMANEVAL = [
+    ("close_sorted_neighbours", 0,
+     "def has_close_elements(numbers, threshold):\n    s = sorted(numbers)\n"
+     "    return any(b - a < threshold for a, b in zip(s, s[1:]))\n"),
+    ("below_zero_accumulate", 3,
+     "from itertools import accumulate\ndef below_zero(operations):\n"
+     "    return any(b < 0 for b in accumulate(operations))\n"),
+    ("mad_fsum", 4,
+     "import math\ndef mean_absolute_deviation(numbers):\n    m = math.fsum(numbers) / len(numbers)\n"
+     "    return math.fsum(abs(x - m) for x in numbers) / len(numbers)\n"),
+    ("longest_max_key", 12, "def longest(strings):\n    return max(strings, key=len) if strings else None\n"),
+    ("gcd_library", 13, "import math\ndef greatest_common_divisor(a, b):\n    return math.gcd(a, b)\n"),
+    ("prefix_slice", 29,
+     "def filter_by_prefix(strings, prefix):\n    return [s for s in strings if s[:len(prefix)] == prefix]\n"),
+    ("unique_fromkeys", 34, "def unique(l):\n    return sorted(dict.fromkeys(l))\n"),
+    ("max_builtin", 35, "def max_element(l):\n    return max(l)\n"),
+    ("fib_iterative", 55,
+     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"),
+]
