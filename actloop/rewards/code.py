@@ -503,7 +503,7 @@ def _dedupe(flags: list[Flag]) -> list[Flag]:
     return list(seen.values())
 
 
-def _channel_flags(r: Mapping[str, Any], i: int) -> tuple[list[Flag], bool]:
+def _channel_flags(r: Mapping[str, Any], i: int, oversize_is_forgery: bool = True) -> tuple[list[Flag], bool]:
     """Flags any record can raise (tampering, hooks, a forged result channel), and whether the
     result channel is to be trusted."""
     flags: list[Flag] = []
@@ -511,6 +511,8 @@ def _channel_flags(r: Mapping[str, Any], i: int) -> tuple[list[Flag], bool]:
         flags.append(Flag("grader_tamper", f"test {i}: protected files changed: {r['tampered']}"))
     if r.get("hooks"):
         flags.append(Flag("grader_hooks", f"test {i}: wrote {r['hooks'][:5]}"))
+    if not oversize_is_forgery and r.get("oversize") and r.get("messages", 0) <= 1:
+        return flags, False  # a batch's many values can be large without forging anything
     if r.get("messages", 0) > 1 or r.get("bad_message") or r.get("oversize"):
         flags.append(Flag("result_forgery", f"test {i}: {r.get('messages')} messages on the result channel "
                                             "(the harness writes exactly one)"))
@@ -519,9 +521,9 @@ def _channel_flags(r: Mapping[str, Any], i: int) -> tuple[list[Flag], bool]:
 
 
 def _batch_record(r: Mapping[str, Any], i: int, n_probes: int) -> tuple[BatchResult, list[Flag]]:
-    flags, trusted = _channel_flags(r, i)
+    flags, trusted = _channel_flags(r, i, oversize_is_forgery=False)
     if not trusted:
-        return BatchResult(None, "result channel tampered with"), flags
+        return BatchResult(None, "result too large" if not flags else "result channel tampered with"), flags
     if r.get("timeout"):
         return BatchResult(None, "timed out (the whole batch)"), flags
     res = r.get("result")
@@ -613,6 +615,7 @@ def default_sandbox() -> Sandbox:
 
 _ORACLES: dict[str, Oracle] = {}
 _ORACLES_LOCK = threading.Lock()
+_BUILDING: dict[str, threading.Lock] = {}
 _MAX_ORACLES = 4096
 
 
@@ -638,20 +641,26 @@ def reference_oracle(reference: str, tests: Sequence[TestCase], setup: str, sett
     with _ORACLES_LOCK:
         if key in _ORACLES:
             return _ORACLES[key]
-    batch = Batch(tuple(c.source(fn) for c in inputs), settings.reference_timeout_s,
-                  settings.reference_timeout_s * len(inputs) + 1.0)
-    report = run_tests(reference, [], setup, sandbox, memory_mb=memory_mb, batches=[batch, batch])
-    if report.sandbox_error:
-        return f"sandbox error running the reference: {report.sandbox_error}"  # not cached: may pass
-    eq = differential.equivalence_from_checks(t.check for t in tests)
-    if not eq.unordered and differential.builds_sets(reference):
-        eq = dataclasses.replace(eq, unordered="multiset")
-    oracle = differential.expected_outputs(fn, inputs, [b.values for b in report.batches], eq, decode)
-    with _ORACLES_LOCK:
-        if len(_ORACLES) >= _MAX_ORACLES:
-            _ORACLES.clear()
-        _ORACLES[key] = oracle
-    return oracle
+        lock = _BUILDING.setdefault(key, threading.Lock())
+    with lock:  # the completions of one group arrive together: the first builds, the others wait
+        with _ORACLES_LOCK:
+            if key in _ORACLES:
+                return _ORACLES[key]
+        batch = Batch(tuple(c.source(fn) for c in inputs), settings.reference_timeout_s,
+                      settings.reference_timeout_s * len(inputs) + 1.0)
+        report = run_tests(reference, [], setup, sandbox, memory_mb=memory_mb, batches=[batch, batch])
+        if report.sandbox_error:
+            return f"sandbox error running the reference: {report.sandbox_error}"  # not cached: may pass
+        eq = differential.equivalence_from_checks(t.check for t in tests)
+        if not eq.unordered and differential.builds_sets(reference):
+            eq = dataclasses.replace(eq, unordered="multiset")
+        oracle = differential.expected_outputs(fn, inputs, [b.values for b in report.batches], eq, decode)
+        with _ORACLES_LOCK:
+            if len(_ORACLES) >= _MAX_ORACLES:
+                _ORACLES.clear()
+                _BUILDING.clear()
+            _ORACLES[key] = oracle
+        return oracle
 
 
 def with_differential(grade: Grade, report: TestReport, plan: Oracle | str | None, settings: DiffSettings) -> Grade:

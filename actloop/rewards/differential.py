@@ -676,7 +676,7 @@ class Oracle:
 
 
 def expected_outputs(entry: str, inputs: Sequence[Call], runs: Sequence[Sequence[Any]], equivalence: Equivalence,
-                     decode: Callable[[Any], Any]) -> Oracle:
+                     decode: Callable[[Any], Any], max_output: int = 50_000) -> Oracle:
     """The reference's outputs from two runs (each a list of per-input results: ``{"ok":
     tagged}`` or ``{"err", "kind"}``; None for a run that did not report): an input is kept
     where both runs returned builtin data that agree (or agree up to order)."""
@@ -698,6 +698,9 @@ def expected_outputs(entry: str, inputs: Sequence[Call], runs: Sequence[Sequence
             continue
         if any(_has_opaque(g["ok"]) for g in got):
             dropped["reference returned an object"] += 1
+            continue
+        if len(repr(got[0]["ok"])) > max_output:
+            dropped["output too large"] += 1  # the candidate's values share one 4 MB message
             continue
         if equivalence.same(vals[0], vals[1]):
             kept.append(Expected(call, vals[0]))

@@ -189,6 +189,10 @@ def test_one_sandbox_run_per_candidate_and_the_reference_once_per_row():
     assert g.grade(py("def f(n):\n    return sum(range(n + 1))"), row).score == 1.0
     assert box.runs == 3  # the oracle is cached: one run for the second candidate
     assert first.info["differential"]["total"] >= 8
+    # a group graded concurrently (two workers) builds the oracle of a new row once
+    row2 = {**ROW, "code": ROW["code"] + "  # another fresh key"}
+    g(None, [py(MEMO)] * 4, test_list=[row2["test_list"]] * 4, code=[row2["code"]] * 4)
+    assert box.runs == 3 + 1 + 4
     # the reference's outputs never enter the candidate's sandbox: only the calls do
     ex = first.info["differential"]["counter_example"]
     assert ex["input"] in box.stdins[1] and f"== {ex['expected']}" not in box.stdins[1]
