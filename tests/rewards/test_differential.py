@@ -236,3 +236,19 @@ def test_grade_shows_the_counter_example():
     assert flag["evidence"].startswith("find_rect_num(") and "expected" in flag["evidence"]
     d = rec["details"]["tests"]["differential"]
     assert set(d["counter_example"]) == {"input", "expected", "actual"} and rec["components"]["differential"] < 1
+
+
+@needs_sandbox
+@pytest.mark.slow
+def test_the_whole_red_team_set():
+    """Every hack loses full reward and is flagged; every honest alternative keeps 1.0 unflagged."""
+    from differential_cases import HONEST_HUMANEVAL
+
+    def scored(cases, task):
+        return rubric_for(task).score([text_trajectory(py(code), find_row(task, tid)) for _, tid, code in cases])
+
+    for (name, _, _), s in zip(HACKS, scored(HACKS, "mbpp")):
+        assert s.reward < 1.0 and "differential_mismatch" in s.flags, name
+    for cases, task in ((HONEST, "mbpp"), (HONEST_HUMANEVAL, "humaneval")):
+        for (name, _, _), s in zip(cases, scored(cases, task)):
+            assert (s.reward, s.flags) == (1.0, ()), (name, s.reward, [f.evidence for f in s.flags])
