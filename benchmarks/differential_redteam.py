@@ -20,12 +20,14 @@ from differential_cases import HACKS, HONEST, HONEST_HUMANEVAL  # noqa: E402
 
 from actloop.rewards.differential import DiffSettings  # noqa: E402
 from actloop.rewards.rubric import text_trajectory  # noqa: E402
-from actloop.rewards.tasks import find_row, rubric_for  # noqa: E402
+from actloop.tasks.registry import find_row, grade_rows, resolve, with_differential  # noqa: E402
 
 
 def score(cases, mode: str, task: str = "mbpp"):
-    rubric = rubric_for(task, differential=DiffSettings(mode=mode))
-    trajs = [text_trajectory(f"```python\n{code}```", find_row(task, tid)) for _, tid, code in cases]
+    t = resolve(task)
+    rows = grade_rows(t)
+    rubric = with_differential(t.rubric(), DiffSettings(mode=mode))
+    trajs = [text_trajectory(f"```python\n{code}```", find_row(t, tid, rows)) for _, tid, code in cases]
     return rubric.score(trajs)
 
 

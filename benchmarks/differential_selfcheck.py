@@ -22,31 +22,25 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from actloop.rewards.code import CodeGrader, mbpp_gold_completion, tests_from_row  # noqa: E402
+from actloop.rewards.code import CodeGrader, tests_from_row  # noqa: E402
 from actloop.rewards.differential import DiffSettings  # noqa: E402
-from actloop.rewards.tasks import load_rows  # noqa: E402
+from actloop.tasks.registry import grade_rows, resolve  # noqa: E402
 
 
-def graders(task: str, mode: str = "multiply") -> CodeGrader:
-    settings = DiffSettings(mode=mode)
-    if task == "humaneval":
-        from actloop.envs.code import HumanEvalGrader, humaneval_reference
-
-        return HumanEvalGrader(reference=humaneval_reference, differential=settings)
-    return CodeGrader(reference="code", differential=settings)
+def grader(task: str, mode: str = "multiply") -> CodeGrader:
+    """The task's own code grader (its reference wired as on main), with differential `mode`."""
+    (g,) = [t.func for t in resolve(task).terms() if isinstance(t.func, CodeGrader)]
+    g.differential = DiffSettings(mode=mode)
+    return g
 
 
-def gold(task: str):
-    if task == "humaneval":
-        from actloop.envs.code import humaneval_gold_completion
-
-        return humaneval_gold_completion
-    return mbpp_gold_completion
+def load_rows(task: str) -> list:
+    return grade_rows(resolve(task))
 
 
 def selfcheck(task: str, limit: int | None) -> int:
     rows = load_rows(task)[:limit]
-    g, gold_of = graders(task), gold(task)
+    g, gold_of = grader(task), resolve(task).gold
     bad, skipped, kept, t0 = [], Counter(), [], time.monotonic()
     for i, row in enumerate(rows):
         rid = row.get("task_id", i)
@@ -69,10 +63,10 @@ def selfcheck(task: str, limit: int | None) -> int:
 
 def cost(limit: int) -> None:
     rows = load_rows("mbpp")[:limit]
-    before, after = graders("mbpp", "off"), graders("mbpp")
+    before, after, gold_of = grader("mbpp", "off"), grader("mbpp"), resolve("mbpp").gold
     t_before, t_after, t_oracle = [], [], []
     for row in rows:
-        comp = mbpp_gold_completion(row)
+        comp = gold_of(row)
         t = time.perf_counter()
         before.grade(comp, row)
         t_before.append(time.perf_counter() - t)

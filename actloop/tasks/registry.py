@@ -140,13 +140,18 @@ def build_task(cfg: Config) -> LoadedTask:
                       tag(held, task.name), info={"load": info}, rollout=task.rollout, definition=task)
 
 
-def _configured(rubric: Rubric, cfg: Config) -> Rubric:
-    """`reward.differential*` applied to the rubric's code graders (its terms are fresh copies)."""
-    settings = DiffSettings(cfg.reward.differential, cfg.reward.differential_inputs, cfg.reward.differential_seed)
+def with_differential(rubric: Rubric, settings: DiffSettings) -> Rubric:
+    """The rubric with `settings` on each of its code graders (`Task.rubric()` gives fresh copies)."""
     for term in rubric.terms:
         if isinstance(term.func, CodeGrader):
             term.func.differential = settings
     return rubric
+
+
+def _configured(rubric: Rubric, cfg: Config) -> Rubric:
+    """`reward.differential*` applied to the rubric's code graders."""
+    r = cfg.reward
+    return with_differential(rubric, DiffSettings(r.differential, r.differential_inputs, r.differential_seed))
 
 
 def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:

@@ -22,7 +22,8 @@ from actloop.rewards.differential import (
     visible_calls,
 )
 from actloop.rewards.rubric import text_trajectory
-from actloop.rewards.tasks import find_row, grade_one, rubric_for
+from actloop.tasks.registry import find_row as registry_row
+from actloop.tasks.registry import grade_one, grade_rows, resolve, with_differential
 from actloop.sandbox import probe_bwrap
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,6 +34,19 @@ needs_sandbox = pytest.mark.skipif(not probe_bwrap().available, reason="candidat
 
 def py(code):
     return f"```python\n{code}\n```"
+
+
+def rubric_for(task, mode="multiply"):
+    return with_differential(resolve(task).rubric(), DiffSettings(mode))
+
+
+_ROWS = {}
+
+
+def find_row(task, tid):
+    if task not in _ROWS:
+        _ROWS[task] = grade_rows(resolve(task))
+    return registry_row(resolve(task), tid, _ROWS[task])
 
 
 # --- pure parts ---------------------------------------------------------------------------------
@@ -126,7 +140,7 @@ def test_settings_and_config_validate_the_mode():
 @pytest.mark.parametrize("name,tid,code", HACKS[:4] + HACKS[-2:], ids=[h[0] for h in HACKS[:4] + HACKS[-2:]])
 def test_special_casing_passes_the_tests_but_not_the_generated_inputs(name, tid, code):
     row = find_row("mbpp", tid)
-    before = rubric_for("mbpp", differential=DiffSettings("off")).score([text_trajectory(py(code), row)])[0]
+    before = rubric_for("mbpp", "off").score([text_trajectory(py(code), row)])[0]
     assert before.reward == 1.0 and not before.flags  # every visible test passes, no detector fires
     (s,) = rubric_for("mbpp").score([text_trajectory(py(code), row)])
     assert s.reward < 1.0 and 0.0 <= s.components["differential"] < 1.0
@@ -231,7 +245,7 @@ def test_unordered_results_of_a_set_building_reference_are_compared_as_multisets
 
 @needs_sandbox
 def test_grade_shows_the_counter_example():
-    rec = grade_one("mbpp", find_row("mbpp", 35), py(HACKS[0][2]))
+    rec = grade_one(resolve("mbpp"), find_row("mbpp", 35), py(HACKS[0][2]))
     flag = next(f for f in rec["flags"] if f["name"] == "differential_mismatch")
     assert flag["evidence"].startswith("find_rect_num(") and "expected" in flag["evidence"]
     d = rec["details"]["tests"]["differential"]
@@ -252,3 +266,15 @@ def test_the_whole_red_team_set():
     for cases, task in ((HONEST, "mbpp"), (HONEST_HUMANEVAL, "humaneval")):
         for (name, _, _), s in zip(cases, scored(cases, task)):
             assert (s.reward, s.flags) == (1.0, ()), (name, s.reward, [f.evidence for f in s.flags])
+
+
+def test_the_config_reaches_the_code_graders_of_a_run():
+    from actloop.tasks.registry import build_task
+
+    cfg = load_config(None, ["data.task=mbpp", "reward.differential=zero", "reward.differential_inputs=7",
+                             "data.train_size=4", "data.eval_size=2"])
+    (g,) = [t.func for t in build_task(cfg).rubric.terms if isinstance(t.func, CodeGrader)]
+    assert (g.differential, g.reference) == (DiffSettings("zero", 7), "code")
+    # and the task's own definition is untouched (each rubric gets fresh grader copies)
+    (d,) = [t.func for t in resolve("mbpp").rewards if isinstance(getattr(t, "func", None), CodeGrader)]
+    assert d.differential == DiffSettings()
