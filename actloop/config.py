@@ -88,11 +88,12 @@ class RewardConfig:
         0.5, "A custom-data trajectory counts as a success when its reward is at least this."
     )
     differential: str = opt(
-        "multiply",
+        "auto",
         "Code tasks with a reference solution (mbpp, humaneval): run the candidate and the reference "
         "on inputs mutated from the tests' arguments. `multiply` = tests reward x share of generated "
         "inputs that agree; `zero` / `penalty:X` = 0 / minus X when every test passes but a generated "
-        "input disagrees (flag differential_mismatch); `log` = flag only; `off`. See docs/rewards.md.",
+        "input disagrees (flag differential_mismatch); `log` = flag only; `off`; `auto` = the task's "
+        "own choice (mbpp: multiply; humaneval: log, so pass@k stays HumanEval's). See docs/rewards.md.",
     )
     differential_inputs: int = opt(20, "Inputs generated per code row for `reward.differential` (before the "
                                    "reference drops those it fails on).")
@@ -611,10 +612,11 @@ def validate(cfg: Config) -> None:
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),
         (cfg.train.precision in ("auto", "bf16", "fp32"), "train.precision must be auto, bf16 or fp32"),
         (cfg.reward.completion in ("final", "transcript"), "reward.completion must be final or transcript"),
-        (cfg.reward.differential in ("multiply", "zero", "log", "off")
+        (cfg.reward.differential in ("auto", "multiply", "zero", "log", "off")
          or re.fullmatch(r"penalty:(\d+\.?\d*|\.\d+)", cfg.reward.differential) is not None
          and float(cfg.reward.differential[8:]) > 0,
-         f"reward.differential must be multiply, zero, penalty:X (X > 0), log or off; got `{cfg.reward.differential}`"),
+         f"reward.differential must be auto, multiply, zero, penalty:X (X > 0), log or off; "
+         f"got `{cfg.reward.differential}`"),
         (cfg.reward.differential_inputs >= 0, "reward.differential_inputs must be >= 0"),
         (
             not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.funcs),

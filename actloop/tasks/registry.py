@@ -14,6 +14,7 @@ graded by `reward.funcs` (`custom`). `data.mix` mixes any of these by weight. Ev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from pathlib import Path
@@ -140,18 +141,20 @@ def build_task(cfg: Config) -> LoadedTask:
                       tag(held, task.name), info={"load": info}, rollout=task.rollout, definition=task)
 
 
-def with_differential(rubric: Rubric, settings: DiffSettings) -> Rubric:
-    """The rubric with `settings` on each of its code graders (`Task.rubric()` gives fresh copies)."""
+def with_differential(rubric: Rubric, settings: DiffSettings | None = None, **changes: Any) -> Rubric:
+    """The rubric with `settings` (or the grader's own with `changes`, e.g. ``inputs=5``) on
+    each of its code graders (`Task.rubric()` gives fresh copies)."""
     for term in rubric.terms:
         if isinstance(term.func, CodeGrader):
-            term.func.differential = settings
+            term.func.differential = dataclasses.replace(settings or term.func.differential, **changes)
     return rubric
 
 
 def _configured(rubric: Rubric, cfg: Config) -> Rubric:
-    """`reward.differential*` applied to the rubric's code graders."""
+    """`reward.differential*` applied to the rubric's code graders (`auto`: each task's own mode)."""
     r = cfg.reward
-    return with_differential(rubric, DiffSettings(r.differential, r.differential_inputs, r.differential_seed))
+    mode = {} if r.differential == "auto" else {"mode": r.differential}
+    return with_differential(rubric, inputs=r.differential_inputs, seed=r.differential_seed, **mode)
 
 
 def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:

@@ -275,6 +275,10 @@ def test_the_config_reaches_the_code_graders_of_a_run():
                              "data.train_size=4", "data.eval_size=2"])
     (g,) = [t.func for t in build_task(cfg).rubric.terms if isinstance(t.func, CodeGrader)]
     assert (g.differential, g.reference) == (DiffSettings("zero", 7), "code")
+    # `auto` (the default): each task's own mode, the config's inputs and seed
+    cfg = load_config(None, ["data.task=humaneval", "reward.differential_seed=3", "data.train_size=0", "data.eval_size=2"])
+    (h,) = [t.func for t in build_task(cfg).rubric.terms if isinstance(t.func, CodeGrader)]
+    assert (h.differential.mode, h.differential.seed, h.differential.inputs) == ("log", 3, 20)
     # and the task's own definition is untouched (each rubric gets fresh grader copies)
     (d,) = [t.func for t in resolve("mbpp").rewards if isinstance(getattr(t, "func", None), CodeGrader)]
     assert d.differential == DiffSettings()
