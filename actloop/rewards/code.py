@@ -351,6 +351,7 @@ class BatchResult:
 
     values: list[dict[str, Any]] | None
     error: str = ""
+    seconds: float = 0.0  # the process's wall time
 
 
 @dataclass(frozen=True)
@@ -543,7 +544,7 @@ def _batch_record(r: Mapping[str, Any], i: int, n_probes: int) -> tuple[BatchRes
     for v in vals:
         if "ok" not in v and v.get("kind") in (_EXIT_KIND, _SKIP_KIND):
             flags += _error_flags(v, i)
-    return BatchResult(vals), flags
+    return BatchResult(vals, seconds=float(r.get("seconds", 0.0))), flags
 
 
 def _judge_record(test: TestCase, r: Mapping[str, Any], i: int) -> tuple[TestResult, list[Flag]]:
@@ -654,7 +655,8 @@ def reference_oracle(reference: str, tests: Sequence[TestCase], setup: str, sett
         eq = differential.equivalence_from_checks(t.check for t in tests)
         if not eq.unordered and differential.builds_sets(reference):
             eq = dataclasses.replace(eq, unordered="multiset")
-        oracle = differential.expected_outputs(fn, inputs, [b.values for b in report.batches], eq, decode)
+        oracle = differential.expected_outputs(fn, inputs, [b.values for b in report.batches], eq, decode,
+                                               reference_seconds=max(b.seconds for b in report.batches))
         with _ORACLES_LOCK:
             if len(_ORACLES) >= _MAX_ORACLES:
                 _ORACLES.clear()
@@ -722,7 +724,9 @@ class CodeGrader:
         batches = []
         if isinstance(plan, Oracle) and plan.expected:
             s = self.differential
-            batches = [Batch(tuple(e.call.source(plan.entry) for e in plan.expected), s.candidate_timeout_s, s.budget_s)]
+            # as long for all inputs as 3x what the reference took, at least `budget_s`
+            budget = max(s.budget_s, 3 * plan.reference_seconds)
+            batches = [Batch(tuple(e.call.source(plan.entry) for e in plan.expected), s.candidate_timeout_s, budget)]
         report = run_tests(code, tests, setup, self.sandbox, self.per_test_timeout_s, self.memory_mb, batches)
         return with_differential(grade_from_report(report, self.all_or_nothing), report, plan, self.differential)
 

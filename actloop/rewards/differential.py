@@ -669,6 +669,7 @@ class Oracle:
     equivalence: Equivalence
     generated: int
     dropped: Mapping[str, int]  # reason -> count
+    reference_seconds: float = 0.0  # the reference's time on all inputs (one process)
 
     def to_dict(self) -> dict[str, Any]:
         return {"entry": self.entry, "generated": self.generated, "kept": len(self.expected),
@@ -676,7 +677,8 @@ class Oracle:
 
 
 def expected_outputs(entry: str, inputs: Sequence[Call], runs: Sequence[Sequence[Any]], equivalence: Equivalence,
-                     decode: Callable[[Any], Any], max_output: int = 50_000) -> Oracle:
+                     decode: Callable[[Any], Any], max_output: int = 50_000,
+                     reference_seconds: float = 0.0) -> Oracle:
     """The reference's outputs from two runs (each a list of per-input results: ``{"ok":
     tagged}`` or ``{"err", "kind"}``; None for a run that did not report): an input is kept
     where both runs returned builtin data that agree (or agree up to order)."""
@@ -708,7 +710,7 @@ def expected_outputs(entry: str, inputs: Sequence[Call], runs: Sequence[Sequence
             kept.append(Expected(call, vals[0], "multiset"))
         else:
             dropped["reference not deterministic"] += 1
-    return Oracle(entry, tuple(kept), equivalence, len(inputs), dict(dropped))
+    return Oracle(entry, tuple(kept), equivalence, len(inputs), dict(dropped), reference_seconds)
 
 
 def _has_opaque(tagged: Any) -> bool:

@@ -282,3 +282,12 @@ def test_the_config_reaches_the_code_graders_of_a_run():
     # and the task's own definition is untouched (each rubric gets fresh grader copies)
     (d,) = [t.func for t in resolve("mbpp").rewards if isinstance(getattr(t, "func", None), CodeGrader)]
     assert d.differential == DiffSettings()
+
+
+@needs_sandbox
+def test_large_outputs_on_generated_inputs_are_a_disagreement_not_forgery():
+    big = "def f(n):\n    return {3: 6, 4: 10, 10: 55}.get(n) or 'x' * 600000"
+    g = CodeGrader(reference="code", differential=DiffSettings(inputs=12)).grade(py(big), ROW)
+    d = g.info["differential"]
+    assert d["agreed"] == 0 and "result too large" in d["error"] and g.score == 0.0
+    assert "result_forgery" not in g.flags and "differential_mismatch" in g.flags
