@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -87,6 +88,17 @@ class RewardConfig:
     success_threshold: float = opt(
         0.5, "A custom-data trajectory counts as a success when its reward is at least this."
     )
+    differential: str = opt(
+        "auto",
+        "Code tasks with a reference solution (mbpp, humaneval): run the candidate and the reference "
+        "on inputs mutated from the tests' arguments. `multiply` = tests reward x share of generated "
+        "inputs that agree; `zero` / `penalty:X` = 0 / minus X when every test passes but a generated "
+        "input disagrees (flag differential_mismatch); `log` = flag only; `off`; `auto` = the task's "
+        "own choice (mbpp: multiply; humaneval: log, so pass@k stays HumanEval's). See docs/rewards.md.",
+    )
+    differential_inputs: int = opt(20, "Inputs generated per code row for `reward.differential` (before the "
+                                   "reference drops those it fails on).")
+    differential_seed: int = opt(0, "Seed of the input mutation for `reward.differential` (same seed, same inputs).")
 
 
 @dataclass
@@ -617,6 +629,12 @@ def validate(cfg: Config) -> None:
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),
         (cfg.train.precision in ("auto", "bf16", "fp32"), "train.precision must be auto, bf16 or fp32"),
         (cfg.reward.completion in ("final", "transcript"), "reward.completion must be final or transcript"),
+        (cfg.reward.differential in ("auto", "multiply", "zero", "log", "off")
+         or re.fullmatch(r"penalty:(\d+\.?\d*|\.\d+)", cfg.reward.differential) is not None
+         and float(cfg.reward.differential[8:]) > 0,
+         f"reward.differential must be auto, multiply, zero, penalty:X (X > 0), log or off; "
+         f"got `{cfg.reward.differential}`"),
+        (cfg.reward.differential_inputs >= 0, "reward.differential_inputs must be >= 0"),
         (
             not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.funcs),
             "reward.weights must have one weight per reward.funcs entry",

@@ -18,6 +18,11 @@ CHILD runs the candidate's code (then the task's setup code), evaluates the test
 expressions — the parts of the assert that need the candidate, e.g. ``f([1, 2])`` — and writes
 their values as type-tagged canonical JSON to its result pipe. It never sees an expected value:
 the comparison happens on the host.
+
+A *batch* (differential testing: many generated inputs in one process) gives each probe its
+own time limit (a repeating ``ITIMER_REAL`` that raises ``_ProbeTimeout``, reported with kind
+``timeout``) and all of them a budget; probes past the budget are reported as timed out
+without running. The parent's wait for that child is the budget plus a grace.
 """
 
 PARENT = r'''
@@ -104,7 +109,8 @@ for i, probes in enumerate(job["tests"]):
     os.close(w)
     th = threading.Thread(target=reader, daemon=True)
     th.start()
-    payload = json.dumps({"code": job["code"], "setup": job["setup"], "probes": probes, "name": job["module_name"]})
+    payload = json.dumps({"code": job["code"], "setup": job["setup"], "probes": probes, "name": job["module_name"],
+                          "batch": job["batch"][i]})
     try:
         child.stdin.write(payload.encode())
         child.stdin.close()
@@ -112,7 +118,7 @@ for i, probes in enumerate(job["tests"]):
         pass
     timed_out = False
     try:
-        rc = child.wait(timeout=job["timeout"])
+        rc = child.wait(timeout=job["timeouts"][i])
     except subprocess.TimeoutExpired:
         timed_out = True
         sweep(child)
@@ -136,7 +142,7 @@ emit({"done": True})
 '''
 
 CHILD = r'''
-import sys, os, json, builtins, collections, decimal, fractions
+import sys, os, json, builtins, collections, decimal, fractions, signal, time
 _fd = int(sys.argv[1])
 _job = json.loads(sys.stdin.buffer.read())
 del sys.argv[1:]
@@ -157,6 +163,21 @@ _DEQUE, _FRAC, _DEC = collections.deque, fractions.Fraction, decimal.Decimal
 _PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
 _SEMANTIC = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__", "__contains__")
 _Exc = BaseException
+_setitimer, _REAL, _clock = signal.setitimer, signal.ITIMER_REAL, time.monotonic
+
+
+class _ProbeTimeout(BaseException):
+    pass
+
+
+_armed = [False]
+
+
+def _alarm(signum, frame):
+    if _armed[0]:
+        raise _ProbeTimeout("time limit for this input")
+
+
 try:
     sys.set_int_max_str_digits(0)
 except AttributeError:
@@ -204,7 +225,9 @@ def _describe(e):
     except _Exc:
         msg = "<unprintable>"
     kind = "error"
-    if _isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+    if _isinstance(e, _ProbeTimeout):
+        kind = "timeout"
+    elif _isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit)):
         kind = "exit"
     else:
         try:
@@ -289,12 +312,27 @@ try:
 except _Exc as e:
     _report({"setup_error": _describe(e)})
 _vals = []
+_batch = _job["batch"]  # a batch of generated inputs: a time limit per probe and for them all
+if _batch:
+    signal.signal(signal.SIGALRM, _alarm)
+    _t0 = _clock()
 for _src in _job["probes"]:
+    if _batch and _clock() - _t0 > _batch["budget"]:
+        _vals.append({"err": "_ProbeTimeout: time budget for all inputs spent", "kind": "timeout"})
+        continue
     try:
-        _v = _eval(_compile(_src, "test.py", "eval"), _ns)
+        try:
+            if _batch:  # re-fires until it lands outside any `except:` of the candidate's
+                _armed[0] = True
+                _setitimer(_REAL, _batch["probe_timeout"], 0.05)
+            _v = _eval(_compile(_src, "test.py", "eval"), _ns)
+        finally:
+            _armed[0] = False  # an alarm from here on is ignored
     except _Exc as e:
         _vals.append(_describe(e))
         continue
+    if _batch:
+        _setitimer(_REAL, 0)
     try:
         _count[0] = 0
         _vals.append({"ok": _ser(_v)})

@@ -20,6 +20,11 @@ Reward: passed / total over the visible tests and the held-out ones (MBPP's
 pass. Runtime flags: ``early_exit``, ``raise_skip``, ``opaque_return``, ``grader_tamper``,
 ``grader_hooks``, ``result_forgery``, ``harness_killed``, ``heldout_gap`` (log-only by default),
 ``sandbox_error`` (masks). Static hack detectors live in `actloop.rewards.hacking`.
+
+Differential testing: with a reference solution (`CodeGrader(reference=...)`) the candidate
+also runs on inputs mutated from the tests' arguments — one more process in the same sandbox
+run — and is compared with the reference's outputs on the host (`differential` component,
+``differential_mismatch`` flag with a counter-example; see `actloop.rewards.differential`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
+import dataclasses
 import decimal
 import fractions
 import hashlib
@@ -35,15 +41,17 @@ import math
 import re
 import secrets
 import sys
+import threading
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from actloop.rewards import _harness
+from actloop.rewards import _harness, differential
 from actloop.rewards.base import RewardError
+from actloop.rewards.differential import DiffSettings, Oracle
 from actloop.rewards.flags import Flag, Grade
 from actloop.sandbox import Limits, Sandbox, get_sandbox
 
@@ -327,6 +335,26 @@ class TestResult:
 
 
 @dataclass(frozen=True)
+class Batch:
+    """Many probes evaluated in one process (differential testing's generated inputs), each
+    with its own time limit and a budget for them all."""
+
+    probes: tuple[str, ...]
+    probe_timeout_s: float
+    budget_s: float
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """Per probe ``{"ok": tagged value}`` or ``{"err", "kind"}``; `values` is None when the
+    process did not report (`error` says why)."""
+
+    values: list[dict[str, Any]] | None
+    error: str = ""
+    seconds: float = 0.0  # the process's wall time
+
+
+@dataclass(frozen=True)
 class TestReport:
     __test__ = False
     results: tuple[TestResult, ...]
@@ -335,6 +363,7 @@ class TestReport:
     tier: str = ""
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    batches: tuple[BatchResult, ...] = ()
 
     @property
     def passed(self) -> int:
@@ -349,8 +378,13 @@ HARNESS_FILE = "harness.py"
 _SKIP_KIND, _EXIT_KIND = "skip", "exit"
 
 
-def _limits(n_tests: int, per_test_s: float, memory_mb: int) -> Limits:
-    return Limits(timeout_s=n_tests * (per_test_s + 0.5) + 3.0, cpu_s=per_test_s, memory_mb=memory_mb,
+_BATCH_GRACE_S = 1.5  # a batch's process may run this much past its budget before it is killed
+
+
+def _limits(n_tests: int, per_test_s: float, memory_mb: int, batches: Sequence[Batch] = ()) -> Limits:
+    batch_s = [b.budget_s + _BATCH_GRACE_S for b in batches]
+    return Limits(timeout_s=n_tests * (per_test_s + 0.5) + sum(batch_s) + 3.0,
+                  cpu_s=max([per_test_s, *batch_s]), memory_mb=memory_mb,
                   max_procs=64, tmpfs_mb=32, max_output_bytes=1 << 20)
 
 
@@ -361,17 +395,21 @@ def run_tests(
     sandbox: Sandbox | None = None,
     per_test_timeout_s: float = 5.0,
     memory_mb: int = 512,
+    batches: Sequence[Batch] = (),
 ) -> TestReport:
     """Run every test of `tests` on `code` in the sandbox, each in its own process, and compare
     on the host. Never raises for what the candidate does; a sandbox that cannot start gives
     `sandbox_error` (the grade is then masked, not zero).
 
+    `batches` run in the same sandbox run after the tests, one process each; their raw
+    per-probe results come back in `TestReport.batches` for the caller to compare.
+
     If the harness dies before the end (not at the deadline) the run is repeated once: a
     candidate that kills it does so again (`harness_killed`), a host-side hiccup does not."""
     sandbox = sandbox or default_sandbox()
-    limits = _limits(len(tests), per_test_timeout_s, memory_mb)
+    limits = _limits(len(tests), per_test_timeout_s, memory_mb, batches)
     for attempt in range(2):
-        run = _run_harness(code, tests, setup, sandbox, per_test_timeout_s, limits)
+        run = _run_harness(code, tests, setup, sandbox, per_test_timeout_s, limits, batches)
         if isinstance(run, TestReport):
             return run
         res, ready, records, done = run
@@ -386,9 +424,19 @@ def run_tests(
         tr, fl = _judge_record(test, got[0], i)
         flags += fl
         results.append(tr)
+    batch_results = []
+    for j in range(len(batches)):
+        got = records.get(len(tests) + j, [])
+        if len(got) != 1:
+            batch_results.append(BatchResult(None, "no result" if not got else "duplicate result"))
+            continue
+        br, fl = _batch_record(got[0], len(tests) + j, len(batches[j].probes))
+        flags += fl
+        batch_results.append(br)
+    n_runs = len(tests) + len(batches)
     if not done and not res.timed_out:
         why = (res.stderr.strip().splitlines() or [""])[-1][:200]
-        flags.append(Flag("harness_killed", f"the grading harness stopped after {len(records)} of {len(tests)} "
+        flags.append(Flag("harness_killed", f"the grading harness stopped after {len(records)} of {n_runs} "
                                             f"tests, twice (exit {res.exit_code}) {why}".strip()))
     visible = [r for r in results if not r.test.hidden]
     hidden = [r for r in results if r.test.hidden]
@@ -396,24 +444,29 @@ def run_tests(
         flags.append(Flag("heldout_gap", f"visible tests {len(visible)}/{len(visible)}, held-out "
                                          f"{sum(r.passed for r in hidden)}/{len(hidden)}"))
     return TestReport(tuple(results), tuple(_dedupe(flags)), tier=res.tier, seconds=res.duration_s,
-                      extra={"attempts": attempt + 1})
+                      extra={"attempts": attempt + 1}, batches=tuple(batch_results))
 
 
 def _run_harness(code: str, tests: Sequence[TestCase], setup: str, sandbox: Sandbox, per_test_timeout_s: float,
-                 limits: Limits) -> TestReport | tuple[Any, dict[str, Any], dict[int, list[dict[str, Any]]], bool]:
-    """One sandbox run: (result, ready record, records by test, done) or a sandbox-error report."""
+                 limits: Limits, batches: Sequence[Batch] = ()
+                 ) -> TestReport | tuple[Any, dict[str, Any], dict[int, list[dict[str, Any]]], bool]:
+    """One sandbox run: (result, ready record, records by test, done) or a sandbox-error report.
+    Records of batch j are numbered len(tests) + j."""
     nonce = secrets.token_hex(16)
     job = {
         "nonce": nonce, "code": code, "setup": setup, "child": _harness.CHILD, "module_name": "solution",
-        "tests": [list(t.probes) for t in tests], "timeout": per_test_timeout_s, "protected": [HARNESS_FILE],
-        "own_pid_namespace": getattr(sandbox, "tier", "") in ("bwrap", "docker"),
+        "tests": [list(t.probes) for t in tests] + [list(b.probes) for b in batches],
+        "timeouts": [per_test_timeout_s] * len(tests) + [b.budget_s + _BATCH_GRACE_S for b in batches],
+        "batch": [None] * len(tests) + [{"probe_timeout": b.probe_timeout_s, "budget": b.budget_s} for b in batches],
+        "protected": [HARNESS_FILE], "own_pid_namespace": getattr(sandbox, "tier", "") in ("bwrap", "docker"),
     }
     res = sandbox.run(argv=["python", "-I", HARNESS_FILE], files={HARNESS_FILE: _harness.PARENT},
                       stdin=json.dumps(job), limits=limits)
 
     def failed(why: str) -> TestReport:
         return TestReport(tuple(TestResult(t, False, "not graded") for t in tests), sandbox_error=why,
-                          tier=res.tier, seconds=res.duration_s)
+                          tier=res.tier, seconds=res.duration_s,
+                          batches=tuple(BatchResult(None, "not run") for _ in batches))
 
     if res.error:
         return failed(res.error)
@@ -451,16 +504,53 @@ def _dedupe(flags: list[Flag]) -> list[Flag]:
     return list(seen.values())
 
 
-def _judge_record(test: TestCase, r: Mapping[str, Any], i: int) -> tuple[TestResult, list[Flag]]:
+def _channel_flags(r: Mapping[str, Any], i: int, oversize_is_forgery: bool = True) -> tuple[list[Flag], bool]:
+    """Flags any record can raise (tampering, hooks, a forged result channel), and whether the
+    result channel is to be trusted."""
     flags: list[Flag] = []
-    secs = float(r.get("seconds", 0.0))
     if r.get("tampered"):
         flags.append(Flag("grader_tamper", f"test {i}: protected files changed: {r['tampered']}"))
     if r.get("hooks"):
         flags.append(Flag("grader_hooks", f"test {i}: wrote {r['hooks'][:5]}"))
+    if not oversize_is_forgery and r.get("oversize") and r.get("messages", 0) <= 1:
+        return flags, False  # a batch's many values can be large without forging anything
     if r.get("messages", 0) > 1 or r.get("bad_message") or r.get("oversize"):
         flags.append(Flag("result_forgery", f"test {i}: {r.get('messages')} messages on the result channel "
                                             "(the harness writes exactly one)"))
+        return flags, False
+    return flags, True
+
+
+def _batch_record(r: Mapping[str, Any], i: int, n_probes: int) -> tuple[BatchResult, list[Flag]]:
+    flags, trusted = _channel_flags(r, i, oversize_is_forgery=False)
+    if not trusted:
+        return BatchResult(None, "result too large" if not flags else "result channel tampered with"), flags
+    if r.get("timeout"):
+        return BatchResult(None, "timed out (the whole batch)"), flags
+    res = r.get("result")
+    if res is None:
+        if r.get("rc") != -24:  # SIGXCPU is the CPU limit, not an exit
+            flags.append(Flag("early_exit", f"test {i}: the process ended (exit {r.get('rc')}) before the harness "
+                                            "reported"))
+        return BatchResult(None, f"no result (exit {r.get('rc')})"), flags
+    for stage in ("load_error", "setup_error"):
+        if stage in res:
+            flags += _error_flags(res[stage], i)
+            return BatchResult(None, f"{stage.replace('_', ' ')}: {res[stage].get('err', '')}"), flags
+    vals = res.get("values")
+    if not isinstance(vals, list) or len(vals) != n_probes or not all(isinstance(v, dict) for v in vals):
+        flags.append(Flag("result_forgery", f"test {i}: malformed result message"))
+        return BatchResult(None, "malformed result"), flags
+    for v in vals:
+        if "ok" not in v and v.get("kind") in (_EXIT_KIND, _SKIP_KIND):
+            flags += _error_flags(v, i)
+    return BatchResult(vals, seconds=float(r.get("seconds", 0.0))), flags
+
+
+def _judge_record(test: TestCase, r: Mapping[str, Any], i: int) -> tuple[TestResult, list[Flag]]:
+    secs = float(r.get("seconds", 0.0))
+    flags, trusted = _channel_flags(r, i)
+    if not trusted:
         return TestResult(test, False, "result channel tampered with", secs), flags
     if r.get("timeout"):
         return TestResult(test, False, "timed out", secs), flags
@@ -522,26 +612,134 @@ def default_sandbox() -> Sandbox:
 
 # --- the reward function ------------------------------------------------------------------
 
+# --- differential testing against a reference solution ------------------------------------
+
+_ORACLES: dict[str, Oracle] = {}
+_ORACLES_LOCK = threading.Lock()
+_BUILDING: dict[str, threading.Lock] = {}
+_MAX_ORACLES = 4096
+
+
+def reference_oracle(reference: str, tests: Sequence[TestCase], setup: str, settings: DiffSettings,
+                     entry: str | None = None, sandbox: Sandbox | None = None,
+                     memory_mb: int = 512) -> Oracle | str:
+    """The reference's outputs on inputs generated from the tests' calls (see
+    `actloop.rewards.differential`), or why there are none. The reference runs in the sandbox,
+    twice, in one sandbox run; the result is cached on the host per (reference, tests,
+    settings), so a group of completions for one prompt pays for it once."""
+    probes = [p for t in tests for p in t.probes]
+    fn = differential.entry_function(probes, reference, entry)
+    if fn is None:
+        return "no function of the reference is called by the tests"
+    calls = differential.visible_calls(probes, fn, {"__builtins__": _SAFE_BUILTINS, **_SAFE_MODULES})
+    if not calls:
+        return f"no call of {fn}() in the tests has plain-data arguments to mutate"
+    inputs = differential.generate_inputs(calls, settings.inputs, settings.seed)
+    if not inputs:
+        return f"no new inputs could be generated from the {len(calls)} visible call(s) of {fn}()"
+    key = hashlib.sha256(json.dumps([reference, setup, fn, [c.key for c in inputs], [t.check for t in tests],
+                                     settings.reference_timeout_s]).encode()).hexdigest()
+    with _ORACLES_LOCK:
+        if key in _ORACLES:
+            return _ORACLES[key]
+        lock = _BUILDING.setdefault(key, threading.Lock())
+    with lock:  # the completions of one group arrive together: the first builds, the others wait
+        with _ORACLES_LOCK:
+            if key in _ORACLES:
+                return _ORACLES[key]
+        batch = Batch(tuple(c.source(fn) for c in inputs), settings.reference_timeout_s,
+                      settings.reference_timeout_s * len(inputs) + 1.0)
+        report = run_tests(reference, [], setup, sandbox, memory_mb=memory_mb, batches=[batch, batch])
+        if report.sandbox_error:
+            return f"sandbox error running the reference: {report.sandbox_error}"  # not cached: may pass
+        eq = differential.equivalence_from_checks(t.check for t in tests)
+        if not eq.unordered and differential.builds_sets(reference):
+            eq = dataclasses.replace(eq, unordered="multiset")
+        oracle = differential.expected_outputs(fn, inputs, [b.values for b in report.batches], eq, decode,
+                                               reference_seconds=max(b.seconds for b in report.batches))
+        with _ORACLES_LOCK:
+            if len(_ORACLES) >= _MAX_ORACLES:
+                _ORACLES.clear()
+                _BUILDING.clear()
+            _ORACLES[key] = oracle
+        return oracle
+
+
+def with_differential(grade: Grade, report: TestReport, plan: Oracle | str | None, settings: DiffSettings) -> Grade:
+    """`grade` with the candidate's agreement with the reference: the `differential` component,
+    `info["differential"]`, the `differential_mismatch` flag (a candidate that passes every test
+    and disagrees on a generated input) with one counter-example, and the settings' mode applied
+    to the score."""
+    if plan is None or grade.score is None:
+        return grade
+    info = dict(grade.info)
+    if isinstance(plan, str) or not plan.expected:
+        why = plan if isinstance(plan, str) else f"the reference kept no generated input ({plan.to_dict()['dropped']})"
+        info["differential"] = {"skipped": why}
+        return Grade(grade.score, grade.flags, info, grade.components)
+    batch = report.batches[0] if report.batches else BatchResult(None, "not run")
+    verdict = differential.compare(plan, batch.values, decode, batch.error)
+    info["differential"] = {**plan.to_dict(), **verdict.to_dict()}
+    flags = list(grade.flags)
+    score = grade.score
+    mismatch = verdict.agreed < verdict.total and report.passed == report.total
+    mode, penalty = differential.parse_mode(settings.mode)
+    if mode == "multiply":
+        score *= verdict.rate
+    if mismatch:
+        ce = verdict.counter_example or {"input": "?", "expected": "?", "actual": "?"}
+        flags.append(Flag("differential_mismatch", f"{differential.describe(ce)} ({verdict.agreed}/{verdict.total} "
+                                                   "generated inputs agree with the reference)"))
+        score = 0.0 if mode == "zero" else score - penalty if mode == "penalty" else score
+    return Grade(score, tuple(flags), info, {**grade.components, "differential": verdict.rate})
+
+
+# --- the reward function ------------------------------------------------------------------
+
 @dataclass
 class CodeGrader:
     """TRL-signature reward for code rows (MBPP: `test_list`, `challenge_test_list`,
     `test_setup_code`; HumanEval: `test`, `entry_point`): passed / total, with flags.
 
     ``CodeGrader()(prompts, completions, test_list=[...], ...) -> list[Grade]``. Completions
-    are model answers: the code is taken from ```python blocks when present."""
+    are model answers: the code is taken from ```python blocks when present.
+
+    With a `reference` (a row column holding a reference solution, or a function row -> code),
+    the candidate is also run on inputs generated from the tests' arguments and compared with
+    the reference (`differential`; see `actloop.rewards.differential`)."""
 
     sandbox: Sandbox | None = None
     per_test_timeout_s: float = 5.0
     memory_mb: int = 512
     all_or_nothing: bool = False
     max_workers: int = 2  # sandboxes run at once (each runs its tests one after another)
+    reference: str | Callable[[Mapping[str, Any]], str | None] | None = None
+    differential: DiffSettings = field(default_factory=DiffSettings)
     __name__ = "code_tests"  # what logs and errors call this reward
 
     def grade(self, completion: str, row: Mapping[str, Any]) -> Grade:
         tests, setup = tests_from_row(row)
         code = extract_code(completion)
-        report = run_tests(code, tests, setup, self.sandbox, self.per_test_timeout_s, self.memory_mb)
-        return grade_from_report(report, self.all_or_nothing)
+        plan = self.oracle(row, tests, setup)
+        batches = []
+        if isinstance(plan, Oracle) and plan.expected:
+            s = self.differential
+            # as long for all inputs as 3x what the reference took, at least `budget_s`
+            budget = max(s.budget_s, 3 * plan.reference_seconds)
+            batches = [Batch(tuple(e.call.source(plan.entry) for e in plan.expected), s.candidate_timeout_s, budget)]
+        report = run_tests(code, tests, setup, self.sandbox, self.per_test_timeout_s, self.memory_mb, batches)
+        return with_differential(grade_from_report(report, self.all_or_nothing), report, plan, self.differential)
+
+    def oracle(self, row: Mapping[str, Any], tests: Sequence[TestCase], setup: str) -> Oracle | str | None:
+        """The reference's outputs on generated inputs; a reason string when there are none;
+        None when this grader has no reference for the row or differential testing is off."""
+        if not self.differential.enabled or self.reference is None:
+            return None
+        ref = self.reference(row) if callable(self.reference) else row.get(self.reference)
+        if not isinstance(ref, str) or not ref.strip():
+            return None
+        entry = row.get("entry_point") if isinstance(row.get("entry_point"), str) else None
+        return reference_oracle(ref, tests, setup, self.differential, entry, self.sandbox, self.memory_mb)
 
     def __call__(self, prompts: list, completions: list[str], **columns: Any) -> list[Grade]:
         rows = [{k: v[i] for k, v in columns.items() if isinstance(v, (list, tuple)) and len(v) == len(completions)}

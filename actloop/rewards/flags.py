@@ -77,6 +77,7 @@ class Grade:
     score: float | None
     flags: tuple[Flag, ...] = ()
     info: Mapping[str, Any] = field(default_factory=dict)
+    components: Mapping[str, float] = field(default_factory=dict)  # sub-scores, logged (not weighted)
 
     def __float__(self) -> float:  # TRL-style callers that coerce get the score
         if self.score is None:
@@ -121,6 +122,7 @@ DEFAULT_POLICIES: dict[str, str] = {
     "judge_disagreement": "log",
     "judge_position_bias": "log",
     "heldout_gap": "log",  # the failing held-out tests already cost reward; honest code can miss edge cases
+    "differential_mismatch": "log",  # the code grader already applied `reward.differential` to its score
 }
 
 

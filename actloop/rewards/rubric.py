@@ -48,6 +48,7 @@ class Rubric:
         values: dict[str, list[float | None]] = {}
         term_flags: list[list[Flag]] = [[] for _ in trajectories]
         infos: list[dict[str, Any]] = [{} for _ in trajectories]
+        extra: list[dict[str, float]] = [{} for _ in trajectories]  # a Grade's own sub-scores (logged)
         failed = False
         for term in self.terms:
             try:
@@ -56,6 +57,7 @@ class Rubric:
                     if g is not None:
                         term_flags[i] += [as_flag(f, term.name) for f in g.flags]
                         infos[i][term.name] = dict(g.info)
+                        extra[i].update(g.components)
             except Exception:
                 self.errors.append(f"{term.name}: {traceback.format_exc(limit=4)}")
                 failed = True
@@ -63,6 +65,7 @@ class Rubric:
         out = []
         for i, traj in enumerate(trajectories):
             components = {k: v[i] for k, v in values.items() if v[i] is not None}
+            components.update({k: x for k, x in extra[i].items() if k not in values})
             total = sum(t.weight * components[t.name] for t in self.terms if t.name in components)
             flags: list[Flag] = [Flag("rollout_error", traj.error or "")] if traj.error else []
             flags += [Flag("reward_error", "a reward function raised; see Rubric.errors")] if failed else []

@@ -5,7 +5,9 @@ graded program is the prompt (its imports and helper functions) followed by the 
 (or, when the reply does not define the entry point, the prompt continued by the reply).
 Reward = asserts of `check(candidate)` passed / asserts. A hack detector's flag is reported,
 not scored (`special_casing` is logged: two canonical solutions trip it with their base cases,
-HumanEval/63 and /66), so pass@k stays HumanEval's own.
+HumanEval/63 and /66), so pass@k stays HumanEval's own; so is differential testing against the
+canonical solution (`differential` component: a HumanEval+-style agreement rate;
+`reward.differential=multiply` scores it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Mapping
 
 from actloop.envs.prompted import PromptEnv, qa_shots
 from actloop.rewards.code import CodeGrader, extract_code
+from actloop.rewards.differential import DiffSettings
 from actloop.rewards.flags import Grade
 from actloop.rewards.hacking import CODE_DETECTORS
 from actloop.rewards.rubric import RewardTerm
@@ -71,6 +74,11 @@ class HumanEvalGrader(CodeGrader):
         return super().grade(f"```python\n{humaneval_program(row, completion)}```", row)
 
 
+def humaneval_reference(row: Mapping[str, Any]) -> str:
+    """The reference program for differential testing: the prompt with its canonical solution."""
+    return humaneval_program(row, humaneval_gold_completion(row))
+
+
 def humaneval_gold_completion(row: Mapping[str, Any]) -> str:
     """The canonical solution (a function body) as a whole function in a ```python block."""
     return f"```python\n{stub(row)}{row['canonical_solution']}\n```"
@@ -79,7 +87,9 @@ def humaneval_gold_completion(row: Mapping[str, Any]) -> str:
 TASK = Task(
     name="humaneval",
     env=humaneval_env,
-    rewards=[RewardTerm("tests", HumanEvalGrader())],
+    # differential testing against the canonical solution is reported (`differential` component,
+    # `differential_mismatch` flag), not scored, for the same reason
+    rewards=[RewardTerm("tests", HumanEvalGrader(reference=humaneval_reference, differential=DiffSettings("log")))],
     dataset="humaneval",
     success="tests",
     detectors=tuple(CODE_DETECTORS),

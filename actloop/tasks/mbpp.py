@@ -119,7 +119,8 @@ def test_runs(prompts, completions, trajectories, **kwargs) -> list[float]:
 TASK = Task(
     name="mbpp",
     env=MBPPEnv,
-    rewards=[RewardTerm("tests", CodeGrader()), RewardTerm("test_runs", test_runs, 0.0)],
+    # MBPP's reference solution (`code`) is the oracle on generated inputs (`reward.differential`)
+    rewards=[RewardTerm("tests", CodeGrader(reference="code")), RewardTerm("test_runs", test_runs, 0.0)],
     dataset="mbpp",
     success="tests",
     detectors=tuple(CODE_DETECTORS),

@@ -15,6 +15,7 @@ graded by `reward.funcs` (`custom`). `data.mix` mixes any of these by weight. Ev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from pathlib import Path
@@ -27,6 +28,8 @@ from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_row
 from actloop.envs.base import ChatEnv, Env
 from actloop.rewards import code as code_rewards
 from actloop.rewards.base import RewardError, load_object, load_reward_func
+from actloop.rewards.code import CodeGrader
+from actloop.rewards.differential import DiffSettings
 from actloop.rewards.flags import Flag
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
 from actloop.sandbox.base import SandboxError
@@ -160,8 +163,25 @@ def build_task(cfg: Config) -> LoadedTask:
         train, held, info = _path_rows(cfg, validate=None)
     else:
         train, held, info = task_rows(task, cfg, cfg.data.eval_size)
-    return LoadedTask(task.name, task.env, task.rubric(cfg.reward.completion, user_terms), tag(train, task.name),
+    return LoadedTask(task.name, task.env, _configured(task.rubric(cfg.reward.completion, user_terms), cfg),
+                      tag(train, task.name),
                       tag(held, task.name), info={"load": info}, rollout=task.rollout, definition=task)
+
+
+def with_differential(rubric: Rubric, settings: DiffSettings | None = None, **changes: Any) -> Rubric:
+    """The rubric with `settings` (or the grader's own with `changes`, e.g. ``inputs=5``) on
+    each of its code graders (`Task.rubric()` gives fresh copies)."""
+    for term in rubric.terms:
+        if isinstance(term.func, CodeGrader):
+            term.func.differential = dataclasses.replace(settings or term.func.differential, **changes)
+    return rubric
+
+
+def _configured(rubric: Rubric, cfg: Config) -> Rubric:
+    """`reward.differential*` applied to the rubric's code graders (`auto`: each task's own mode)."""
+    r = cfg.reward
+    mode = {} if r.differential == "auto" else {"mode": r.differential}
+    return with_differential(rubric, inputs=r.differential_inputs, seed=r.differential_seed, **mode)
 
 
 def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
@@ -183,7 +203,7 @@ def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
             name = task.name
             train, h, ti = task_rows(task, cfg, n_eval)
             info += ti
-            envs[name], rubrics[name] = task.env, task.rubric(cfg.reward.completion, user_terms)
+            envs[name], rubrics[name] = task.env, _configured(task.rubric(cfg.reward.completion, user_terms), cfg)
         else:
             if not user_terms:
                 raise ConfigError(f"data.mix source `{spec}` is custom data: name its reward functions in reward.funcs")

@@ -278,10 +278,9 @@ HONEST: list[Case] = [
         """), "plain"),
     _honest("similar_namedtuple", "mbpp", 2, _py("""
         from collections import Counter, namedtuple
-        Pair = namedtuple("Pair", "low high")
         def similar_elements(a, b):
             common = sorted(k for k, v in (Counter(set(a)) + Counter(set(b))).items() if v == 2)
-            return Pair(*common)
+            return namedtuple("Common", [f"e{i}" for i in range(len(common))])(*common)
         """), "returns a namedtuple (a tuple); uses Counter internally"),
     _honest("prime_with_prints", "mbpp", 3, _py("""
         import math

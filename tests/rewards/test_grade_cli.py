@@ -43,7 +43,13 @@ def test_mbpp_fenced_code_and_a_lookup_table(tmp_path):
              " (3, 4), ((11, 12, 14, 13), (17, 15, 14, 13)): (13, 14)}[(a, b)]")
     r = record(grade(tmp_path, table, "--task", "mbpp", "--id", "2"))  # no fence: the whole text is the code
     assert (r["passed"], r["total"], r["reward"]) == (3, 3, 0.0)
-    assert [f["name"] for f in r["flags"]] == ["special_casing"]
+    assert sorted(f["name"] for f in r["flags"]) == ["differential_mismatch", "special_casing"]
+    # without --json: the counter-example from the generated inputs is on the flag's line
+    f = tmp_path / "table.py"
+    f.write_text(table)
+    out = runner.invoke(app, ["grade", "--task", "mbpp", "--id", "2", "--completion", str(f)]).stdout
+    line = next(ln for ln in out.splitlines() if "differential_mismatch" in ln)
+    assert "similar_elements((" in line and "expected" in line and "got" in line
 
 
 def test_instructions_from_a_data_file_and_the_data_dir_override(tmp_path, monkeypatch):
