@@ -362,6 +362,9 @@ class Config:
     seed: int = opt(0, "Random seed for data, sampling and initialisation.")
     output_dir: str = opt("runs", "Parent directory of run directories.")
     run_name: str | None = opt(None, "Run directory name (default: a timestamp).")
+    overwrite: bool = opt(
+        False, "Replace an existing run directory of the same run_name (`actloop train --overwrite`); without it "
+        "a name already used is refused. A directory another live run holds is always refused (RUN_DIR/.lock).")
     algo: str = opt(
         "grpo",
         "Algorithm: `grpo`, `rloo`, `reinforce_pp`, `ppo` (with a critic), `dpo` (preference pairs), `sft` "

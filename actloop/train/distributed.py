@@ -66,8 +66,6 @@ def check_supported(cfg: Config, world: int) -> None:
         problems.append("lora.enabled is not supported under torchrun")
     if cfg.rollout.engine != "hf":
         problems.append(f"rollout.engine={cfg.rollout.engine}: only the hf engine runs under torchrun")
-    if getattr(cfg, "resume", None):
-        problems.append("resume is not supported under torchrun (checkpoints of sharded runs are not written yet)")
     if problems:
         raise ConfigError("; ".join(problems))
 
