@@ -159,7 +159,9 @@ def _write_meta(tmp: Path, step: int, policy: str, **more: Any) -> None:
 
 class _writing:
     """`with _writing(tmp, step):` a fresh `tmp` directory to fill; on leaving, every file in
-    it is fsynced. An OSError inside removes `tmp`; ENOSPC (and EDQUOT) become `CheckpointError`."""
+    it is fsynced. An error inside removes `tmp`; a full disk (ENOSPC, EDQUOT, or another error
+    while a probe write finds no space: torch.save reports a full disk as a RuntimeError
+    "unexpected pos ...") becomes `CheckpointError`."""
 
     def __init__(self, tmp: Path, step: int, fresh: bool = True):
         self.tmp, self.step, self.fresh = tmp, step, fresh
@@ -171,8 +173,7 @@ class _writing:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir(exist_ok=not self.fresh)
         except OSError as e:
-            self.__exit__(type(e), e, None)
-            raise
+            self._fail(e)
         return self.tmp
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -185,20 +186,39 @@ class _writing:
                 return False
             except OSError as e:
                 exc = e
-        if isinstance(exc, OSError):
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise _write_error(self.tmp.parent, self.step, exc) from exc
+        if isinstance(exc, Exception):
+            self._fail(exc)
         return False
 
+    def _fail(self, exc: Exception) -> None:
+        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or _no_space(self.tmp.parent)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if full:
+            raise _full_error(self.tmp.parent, self.step, exc) from exc
+        raise exc
 
-def _write_error(root: Path, step: int, exc: OSError) -> Exception:
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return exc
+
+def _no_space(directory: Path, probe: int = 1 << 16) -> bool:
+    """Whether 64 KiB more cannot be written in `directory` (a write, not statvfs: quotas count)."""
+    path = directory / f".space-probe-{os.getpid()}"
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * probe)
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _full_error(root: Path, step: int, exc: Exception) -> CheckpointError:
     prev = [c.step for c in list_checkpoints(root.parent)]
     kept = (f"the previous checkpoint (step {prev[-1]}, {root / f'step-{prev[-1]:06d}'}) is intact"
             if prev else "no earlier checkpoint exists")
     return CheckpointError(f"could not write the checkpoint of step {step} in {root}: no space left on device "
-                           f"({exc.strerror}); the partial write was removed and {kept}. Free space, then "
+                           f"({exc}); the partial write was removed and {kept}. Free space, then "
                            f"continue with `actloop train resume={root.parent}`")
 
 
@@ -211,6 +231,7 @@ def install(tmp: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
+        _test_crash("after_aside")
     os.replace(tmp, final)
     _fsync(final.parent)
     _test_crash("after_rename")
