@@ -117,6 +117,13 @@ class RolloutConfig:
     vllm_server_world_size: int = opt(
         1, "vllm-server: GPU workers of the server (TP x DP) when its GET /get_world_size does not answer; the "
         "NCCL group size normally comes from there.")
+    engine_retries: int = opt(
+        2, "A generation request that failed transiently (HTTP 408/429/5xx, refused connection, timeout, dead Ray "
+        "actor) is retried this many times; then its prompts' episodes are recorded as failed (kind `engine`) and "
+        "masked. Out-of-memory and other errors split the batch in halves instead (docs/engines.md).")
+    engine_retry_backoff_s: float = opt(1.0, "Seconds before the first retry of a failed generation request; doubles "
+                                        "each retry.")
+    engine_retry_max_backoff_s: float = opt(30.0, "Longest wait between two retries of a generation request.")
     vllm_nccl_port: int = opt(51216, "vllm-server: TCP port of the trainer-side NCCL rendezvous (rank 0).")
     vllm_adapter_dir: str = opt(
         "", "vllm, vllm-server with LoRA: directory the server can read where adapters are saved (default <output_dir>/vllm-adapters)."
@@ -312,7 +319,7 @@ class CheckpointConfig:
     )
 
 
-FAILURE_KINDS = ("env", "sandbox", "judge", "reward", "parse")
+FAILURE_KINDS = ("env", "engine", "sandbox", "judge", "reward", "parse")
 
 
 @dataclass
@@ -324,8 +331,8 @@ class FailuresConfig:
         3, "Consecutive bad steps that stop the run, after a checkpoint (0 = never stop for failures)."
     )
     count: list[str] = opt(
-        ["env", "sandbox", "judge", "reward"],
-        "Failure kinds that count towards failures.max_rate: env, sandbox, judge, reward (masked) and parse "
+        ["env", "engine", "sandbox", "judge", "reward"],
+        "Failure kinds that count towards failures.max_rate: env, engine, sandbox, judge, reward (masked) and parse "
         "(no answer: scored 0, trained on). See docs/runs.md.",
     )
 
