@@ -231,20 +231,9 @@ def install(tmp: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
-        _test_crash("after_aside")
     os.replace(tmp, final)
     _fsync(final.parent)
-    _test_crash("after_rename")
     shutil.rmtree(aside, ignore_errors=True)
-
-
-def _test_crash(point: str) -> None:
-    """Test-only hook (tests/train/test_checkpoint_safety.py): ACTLOOP_TEST_CRASH=POINT kills
-    this process with SIGKILL at that point of a checkpoint write."""
-    if os.environ.get("ACTLOOP_TEST_CRASH") == point:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def save_sharded(run_dir: str | Path, step: int, dist: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

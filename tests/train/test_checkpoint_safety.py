@@ -157,32 +157,42 @@ def test_trainer_stops_with_a_clear_message_when_the_disk_fills(tmp_path, monkey
 
 # --- a kill at each point of an install -----------------------------------------------------------
 
+# `python save.py RUN STEP REPO [N]`: save checkpoint STEP, SIGKILLed right after the N-th rename of
+# the install (the fault injected from outside: checkpoint.py has no test hook)
 KILL_SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import os, signal, sys, torch
     sys.path.insert(0, sys.argv[3])
     from actloop.train import checkpoint
+    if len(sys.argv) > 4:
+        real, done = os.replace, []
+        def replace(a, b):
+            real(a, b)
+            done.append(b)
+            if len(done) == int(sys.argv[4]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint.os.replace = replace
     torch.manual_seed(int(sys.argv[2]))
     m = torch.nn.Linear(200, 200)
     checkpoint.save(sys.argv[1], int(sys.argv[2]), m, {}, keep=1)
 """)
 
 
-def _save_in_subprocess(tmp_path: Path, run: Path, step: int, crash: str | None) -> int:
+def _save_in_subprocess(tmp_path: Path, run: Path, step: int, kill_after_renames: int = 0) -> int:
     script = tmp_path / "save.py"
     script.write_text(KILL_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"ACTLOOP_TEST_CRASH": crash} if crash else {})}
-    return subprocess.run([sys.executable, str(script), str(run), str(step), str(ROOT)], env=env,
-                          timeout=120).returncode
+    kill = [str(kill_after_renames)] if kill_after_renames else []
+    return subprocess.run([sys.executable, str(script), str(run), str(step), str(ROOT), *kill],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120).returncode
 
 
-@pytest.mark.parametrize("crash", ["after_aside", "after_rename"])
+@pytest.mark.parametrize("crash", ["after_aside", "after_rename"])  # after the 1st / 2nd rename
 def test_a_kill_while_replacing_a_checkpoint_never_leaves_none(tmp_path, crash):
     """keep=1, the same step written again (a resumed run that re-reaches it): the old copy is
     renamed aside, the new one renamed in, then the old deleted. SIGKILL between any two of
     those leaves a complete checkpoint that loads."""
     run = tmp_path / "run"
-    assert _save_in_subprocess(tmp_path, run, 3, None) == 0
-    assert _save_in_subprocess(tmp_path, run, 3, crash) == -9  # SIGKILLed mid-install
+    assert _save_in_subprocess(tmp_path, run, 3) == 0
+    assert _save_in_subprocess(tmp_path, run, 3, 1 if crash == "after_aside" else 2) == -9  # SIGKILLed mid-install
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     found = checkpoint.list_checkpoints(run)
     assert [c.step for c in found] == [3], names
@@ -191,17 +201,17 @@ def test_a_kill_while_replacing_a_checkpoint_never_leaves_none(tmp_path, crash):
     if crash == "after_aside":  # only the old copy (aside) and the unfinished new one are on disk
         assert any(".old-" in n for n in names) and any(".tmp-" in n for n in names) and "step-000003" not in names
     # the next save clears what the dead writer left
-    assert _save_in_subprocess(tmp_path, run, 4, None) == 0
+    assert _save_in_subprocess(tmp_path, run, 4) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004"]
 
 
 def test_a_kill_after_installing_a_new_step_keeps_both_until_pruned(tmp_path):
     run = tmp_path / "run"
-    assert _save_in_subprocess(tmp_path, run, 1, None) == 0
-    assert _save_in_subprocess(tmp_path, run, 2, "after_rename") == -9  # new in place, old not yet pruned
+    assert _save_in_subprocess(tmp_path, run, 1) == 0
+    assert _save_in_subprocess(tmp_path, run, 2, 1) == -9  # the new one renamed in place, the old not yet pruned
     assert [c.step for c in checkpoint.list_checkpoints(run)] == [1, 2]
     assert checkpoint.load_latest(run).step == 2
-    assert _save_in_subprocess(tmp_path, run, 3, None) == 0
+    assert _save_in_subprocess(tmp_path, run, 3) == 0
     assert [c.step for c in checkpoint.list_checkpoints(run)] == [3]
 
 

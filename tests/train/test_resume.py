@@ -353,9 +353,10 @@ def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoin
 # --- torchrun: sharded checkpoints (torch.distributed.checkpoint), killed and resumed ------------
 
 
-def _torchrun(args: list[str], **env: str) -> subprocess.Popen:
+def _torchrun(args: list[str], wrapper: Path | None = None, **env: str) -> subprocess.Popen:
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "actloop", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           *([str(wrapper)] if wrapper else ["-m", "actloop"]), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -385,9 +386,11 @@ def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_pat
     args = [a for a in tiny(tmp_path, "x") if not a.startswith(("run_name", "train.save_final"))]
     straight = _torchrun([*args, "run_name=straight", "train.save_final=true"])
     killed_dir = tmp_path / "killed"
-    killed = _torchrun([*args, "run_name=killed", "train.save_final=true"], ACTLOOP_TEST_PAUSE="3:300")
+    wrapper, mark = tmp_path / "paused_train.py", tmp_path / "paused"
+    wrapper.write_text(PAUSED)  # each rank pauses in step 3, after its rollout, before its update
+    killed = _torchrun([*args, "run_name=killed", "train.save_final=true"], wrapper, PAUSE_AT="3", PAUSE_MARK=str(mark))
     deadline = time.time() + 900
-    while not (killed_dir / ".test-paused").exists():
+    while not mark.exists():
         assert killed.poll() is None, killed.communicate()[0][-3000:]
         assert time.time() < deadline
         time.sleep(0.2)
