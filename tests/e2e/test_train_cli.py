@@ -19,11 +19,27 @@ def run_cli(*args, cwd=ROOT):
     return proc.stdout
 
 
+def blog_data(tmp_path: Path) -> tuple[Path, str]:
+    """Rows for the blog's reward function, and `reward.funcs` with it and a term that differs
+    between samples: at these budgets the blog reward is -1 for every completion (no closing
+    </thought> in 24 tokens), so every group was all-equal and nothing trained."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
+                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
+        for i in range(10)))
+    (tmp_path / "varied.py").write_text("def varied(prompts, completions, **kw):\n"
+                                        "    return [len(set(c)) / 100 for c in completions]\n")
+    blog = ROOT / "tests" / "rewards" / "blog_reward.py"
+    return rows, f"[{blog}:reasoning_reward_func,{tmp_path / 'varied.py'}:varied]"
+
+
 def trained(lines: list[dict]) -> int:
-    """Trajectories that reached the loss over the run: an e2e run must have trained something
-    (all-equal groups and masked failures train nothing, and `kl >= 0` holds for k3 anyway)."""
+    """An e2e run must have trained something: a non-zero gradient on some step (all-equal groups
+    count in `trained_trajectories` with advantage 0 and give no gradient; masked failures give
+    none; `kl >= 0` holds for k3 anyway)."""
     n = sum(r["trained_trajectories"] for r in lines)
-    assert n > 0 and any(r["grad_norm"] > 0 for r in lines), [(r["step"], r["trained_trajectories"]) for r in lines]
+    assert n > 0 and any(r["grad_norm"] > 0 for r in lines), [(r["step"], r["grad_norm"], r["reward_std"]) for r in lines]
     return n
 
 
@@ -79,16 +95,11 @@ def test_train_calculator_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_train_custom_jsonl_with_blog_reward(tmp_path):
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
-                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
-        for i in range(10)))
-    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    rows, funcs = blog_data(tmp_path)
     run_cli("train", *TINY, f"output_dir={tmp_path}", "run_name=custom", f"data.path={rows}",
-            f"reward.funcs=[{reward}:reasoning_reward_func]", "train.beta=0.04")
+            f"reward.funcs={funcs}", "train.beta=0.04")
     lines = finite_metrics(tmp_path / "custom")
-    assert all(-1.0 <= r["reward_mean"] <= 2.0 for r in lines) and "reward/reasoning_reward_func" in lines[0]
+    assert all(-1.0 <= r["reward_mean"] <= 2.5 for r in lines) and "reward/reasoning_reward_func" in lines[0]
     trained(lines)
     assert lines[1]["kl"] > 0  # step 2 samples from updated weights: the policy moved off the reference
 
@@ -96,15 +107,10 @@ def test_train_custom_jsonl_with_blog_reward(tmp_path):
 @pytest.mark.slow
 def test_train_lora_tiny(tmp_path):
     pytest.importorskip("peft")
-    rows = tmp_path / "rows.jsonl"  # the blog reward varies within a group: something to train on
-    rows.write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
-                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
-        for i in range(10)))
-    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    rows, funcs = blog_data(tmp_path)
     run_cli("train", *TINY, "train.eval_before=false", "train.eval_after=false", "lora.enabled=true", "lora.r=4",
             "train.beta=0.04", f"output_dir={tmp_path}", "run_name=lora", f"data.path={rows}",
-            f"reward.funcs=[{reward}:reasoning_reward_func]")
+            f"reward.funcs={funcs}")
     lines = finite_metrics(tmp_path / "lora")
     assert len(lines) == 2
     assert (tmp_path / "lora" / "final" / "adapter_config.json").exists()
@@ -139,15 +145,10 @@ ALGO_VARIANTS = {
 def test_online_algorithms_tiny(tmp_path, name):
     """Each online algorithm completes two steps on the blog reward (which varies within a group)
     with finite metrics and the keys its maths reports."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
-                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
-        for i in range(10)))
-    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    rows, funcs = blog_data(tmp_path)
     run_cli("train", *TINY, "train.group_size=4", "train.eval_before=false", "train.eval_after=false",
             "train.save_final=false", f"output_dir={tmp_path}", "run_name=r", f"data.path={rows}",
-            f"reward.funcs=[{reward}:reasoning_reward_func]", *ALGO_VARIANTS[name])
+            f"reward.funcs={funcs}", *ALGO_VARIANTS[name])
     lines = finite_metrics(tmp_path / "r")
     assert len(lines) == 2
     trained(lines)
