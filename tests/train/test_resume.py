@@ -378,6 +378,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # three 2-process runs (150-190 s here under load; allow a slow CI)
 def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_path):
     """2 processes (gloo, FSDP2, 1 thread each): straight through, and SIGKILLed (both ranks and the
     torchrun agent) in the middle of step 3, then `torchrun ... actloop train resume=RUN_DIR`.
