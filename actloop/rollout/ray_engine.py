@@ -36,6 +36,7 @@ from actloop.config import Config, RayConfig
 from actloop.models import load_models
 from actloop.rollout.engine import Completion, HFEngine, SamplingParams
 from actloop.rollout.episodes import run_episodes
+from actloop.rollout.isolation import describe
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox.ray_pool import RaySandbox, ray_module
 from actloop.tasks import build_task
@@ -160,8 +161,6 @@ class RayEngine:
                      max_context: int = 4096) -> list[Trajectory]:
         """Whole episodes on the workers, a contiguous shard of rows each; trajectories in row
         order. A shard whose actor failed twice comes back as failed trajectories."""
-        from actloop.rollout.isolation import describe
-
         bounds = [(a, b) for a, b in shard_bounds(len(rows), len(self.workers)) if b > a]
         parts = self._sharded(len(rows), lambda w, a, b: w.run_episodes.remote(rows[a:b], params, max_turns,
                                                                                 max_context))
