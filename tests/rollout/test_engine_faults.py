@@ -92,6 +92,14 @@ def test_wrapper_passes_everything_else_through():
     assert not hasattr(eng, "sleep")  # the trainer's hasattr checks see the inner engine's methods only
 
 
+def test_retry_settings_are_validated():
+    from actloop.config import ConfigError, load_config
+
+    for bad in (["rollout.engine_retries=-1"], ["rollout.engine_retry_backoff_s=60"]):
+        with pytest.raises(ConfigError, match="engine_retr"):
+            load_config(None, bad)
+
+
 def test_kinds():
     import urllib.error
 
