@@ -426,3 +426,28 @@ def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_pat
     w0 = {k: v for k, v in wa.items()}
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     print(json.dumps({"steps": len(a), "metric_keys_compared": len(a[0]), "weights_compared": len(w0)}))
+
+
+def _fake_sharded(run: Path, world: int = 2) -> checkpoint.Checkpoint:
+    ck = run / "checkpoints" / "step-000002"
+    (ck / "dcp").mkdir(parents=True)
+    (ck / "dcp" / ".metadata").write_bytes(b"x")
+    torch.save({"step": 2}, ck / "state.pt")
+    (ck / "meta.json").write_text(json.dumps({"step": 2, "world": world}))
+    return checkpoint.load_latest(run)
+
+
+def test_a_sharded_checkpoint_resumes_only_under_torchrun_with_its_world_size(tmp_path):
+    from types import SimpleNamespace
+
+    from actloop.train.trainer import train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(None, [f"output_dir={tmp_path}", "run_name=run"]).to_yaml())
+    ckpt = _fake_sharded(run)
+    assert ckpt.sharded and ckpt.step == 2
+    with pytest.raises(ConfigError, match="written under torchrun .*resume it under torchrun"):
+        train(checkpoint.resume_config(run), progress=False, print_fn=lambda *_: None)  # before any model loads
+    with pytest.raises(ConfigError, match="with 4 processes: it was written by 2 .*--nproc_per_node 2"):
+        checkpoint.load_sharded(ckpt, SimpleNamespace(world=4, rank=0, is_main=True), torch.nn.Linear(2, 2), None)
