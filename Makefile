@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.actloop-setup
 
-.PHONY: setup demo test clean-venv
+.PHONY: setup demo test test-fast clean-venv
 
 setup: $(STAMP)
 
@@ -39,8 +39,13 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/actloop train
 
+# every test, slow ones (model loading, training, torchrun, Ray) included; -rs lists each skip's reason
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
+
+# the inner loop: everything not marked slow (a few minutes on 2 cores)
+test-fast: setup
+	$(BIN)/python -m pytest -q -rs -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)

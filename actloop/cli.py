@@ -52,10 +52,14 @@ def _fail(msg: str) -> None:
 def train(
     args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...]; no arguments runs the demo."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide the progress bar."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory of the same "
+                                   "run_name (same as overwrite=true)."),
 ) -> None:
     """Train with GRPO. With no arguments: the calculator-tool demo on the embedded model.
     `resume=RUN_DIR [key=value ...]` continues a run from its newest checkpoint."""
     path, overrides = _split_args(list(args or []))
+    if overwrite:
+        overrides.append("overwrite=true")
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     try:
         cfg = resume_config(resume, overrides) if resume and path is None else load_config(path, overrides)

@@ -130,6 +130,13 @@ class RolloutConfig:
     vllm_server_world_size: int = opt(
         1, "vllm-server: GPU workers of the server (TP x DP) when its GET /get_world_size does not answer; the "
         "NCCL group size normally comes from there.")
+    engine_retries: int = opt(
+        2, "A generation request that failed transiently (HTTP 408/429/5xx, refused connection, timeout, dead Ray "
+        "actor) is retried this many times; then its prompts' episodes are recorded as failed (kind `engine`) and "
+        "masked. Out-of-memory and other errors split the batch in halves instead (docs/engines.md).")
+    engine_retry_backoff_s: float = opt(1.0, "Seconds before the first retry of a failed generation request; doubles "
+                                        "each retry.")
+    engine_retry_max_backoff_s: float = opt(30.0, "Longest wait between two retries of a generation request.")
     vllm_nccl_port: int = opt(51216, "vllm-server: TCP port of the trainer-side NCCL rendezvous (rank 0).")
     vllm_adapter_dir: str = opt(
         "", "vllm, vllm-server with LoRA: directory the server can read where adapters are saved (default <output_dir>/vllm-adapters)."
@@ -325,7 +332,7 @@ class CheckpointConfig:
     )
 
 
-FAILURE_KINDS = ("env", "sandbox", "judge", "reward", "parse")
+FAILURE_KINDS = ("env", "engine", "sandbox", "judge", "reward", "parse")
 
 
 @dataclass
@@ -337,8 +344,8 @@ class FailuresConfig:
         3, "Consecutive bad steps that stop the run, after a checkpoint (0 = never stop for failures)."
     )
     count: list[str] = opt(
-        ["env", "sandbox", "judge", "reward"],
-        "Failure kinds that count towards failures.max_rate: env, sandbox, judge, reward (masked) and parse "
+        ["env", "engine", "sandbox", "judge", "reward"],
+        "Failure kinds that count towards failures.max_rate: env, engine, sandbox, judge, reward (masked) and parse "
         "(no answer: scored 0, trained on). See docs/runs.md.",
     )
 
@@ -389,6 +396,9 @@ class Config:
     seed: int = opt(0, "Random seed for data, sampling and initialisation.")
     output_dir: str = opt("runs", "Parent directory of run directories.")
     run_name: str | None = opt(None, "Run directory name (default: a timestamp).")
+    overwrite: bool = opt(
+        False, "Replace an existing run directory of the same run_name (`actloop train --overwrite`); without it "
+        "a name already used is refused. A directory another live run holds is always refused (RUN_DIR/.lock).")
     algo: str = opt(
         "grpo",
         "Algorithm: `grpo`, `rloo`, `reinforce_pp`, `ppo` (with a critic), `dpo` (preference pairs), `sft` "
@@ -608,6 +618,9 @@ def validate(cfg: Config) -> None:
         _one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "vllm-server", "ray")),
         _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
+        (cfg.rollout.engine_retries >= 0, "rollout.engine_retries must be >= 0"),
+        (0 <= cfg.rollout.engine_retry_backoff_s <= cfg.rollout.engine_retry_max_backoff_s,
+         "rollout.engine_retry_backoff_s must be >= 0 and <= rollout.engine_retry_max_backoff_s"),
         (cfg.ray.num_rollout_workers >= 1, "ray.num_rollout_workers must be >= 1"),
         (cfg.ray.num_sandbox_workers >= 0, "ray.num_sandbox_workers must be >= 0"),
         _one_of("train.loss_agg", cfg.train.loss_agg, REG["loss_agg"]),

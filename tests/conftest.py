@@ -28,3 +28,16 @@ def fp32_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def pytest_runtest_setup(item):
+    """`@pytest.mark.data("gsm8k", ...)`: the test reads those datasets from the local copies
+    ($ACTLOOP_DATA_DIR, else ../shared/data); without them it is skipped, saying so."""
+    marker = item.get_closest_marker("data")
+    if marker is None:
+        return
+    from actloop.data.sources import data_dir
+
+    missing = [n for n in marker.args if not (data_dir() / n).is_dir()]
+    if missing:
+        pytest.skip(f"needs the {', '.join(missing)} data in {data_dir()} (set ACTLOOP_DATA_DIR; see README)")

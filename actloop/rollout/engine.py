@@ -33,6 +33,7 @@ class Completion:
     token_ids: tuple[int, ...]  # [T] sampled ids, including the EOS or the stop-string token
     logprobs: tuple[float, ...]  # [T] log-prob of each sampled id under the sampling distribution
     finish_reason: Literal["stop", "length", "stop_string"]
+    error: str | None = None  # the request failed (actloop.rollout.isolation): no tokens, the episode ends
 
 
 class Engine(Protocol):

@@ -4,8 +4,9 @@
         ▲                                                                        │
         └──────────── ids += sampled ids (mask 1) + continuation ids (mask 0) ◄──┘
 
-A failure inside one episode (an environment that raises, a reset on a bad row) is recorded on
-that trajectory as `error` and the others go on; the trainer masks it from the loss.
+A failure inside one episode (an environment that raises, a reset on a bad row, a generation
+request the engine could not serve) is recorded on that trajectory as `error` and the others go
+on; the trainer masks it from the loss.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def run_episodes(
         completions = engine.generate([ep.ids for ep in active], params)
         last_turn = turn_index == max_turns - 1
         for ep, comp in zip(active, completions):
+            if comp.error is not None:  # the engine failed this prompt (retried already): the episode ends
+                ep.error, ep.done = comp.error, True
+                continue
             message, parsed = renderer.assistant_message(comp.token_ids)
             ended_with_eos = bool(comp.token_ids) and comp.token_ids[-1] in renderer.eos_token_ids
             malformed = parsed.error is not None

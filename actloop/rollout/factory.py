@@ -17,6 +17,7 @@ from typing import Any
 from actloop.config import Config, ConfigError
 from actloop.models import resolve_model
 from actloop.rollout.engine import HFEngine
+from actloop.rollout.isolation import IsolatedEngine
 
 ENGINES = ("hf", "vllm", "vllm-server", "ray")
 
@@ -26,6 +27,14 @@ def adapter_dir(cfg: Config) -> Path:
 
 
 def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
+    """The engine `rollout.engine` names, with failing requests isolated (retried, then recorded
+    per trajectory: `actloop.rollout.isolation`)."""
+    r = cfg.rollout
+    return IsolatedEngine(_make_engine(cfg, models, renderer), r.engine_retries, r.engine_retry_backoff_s,
+                          r.engine_retry_max_backoff_s)
+
+
+def _make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
     kind, r = cfg.rollout.engine, cfg.rollout
     if kind == "hf":
         return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,

@@ -14,6 +14,12 @@ The workers sample from their own copies of the weights (`weights = "copy"`), so
 correction is on by default, as for HFEngine's bf16 copy. Each actor uses
 max(1, int(ray.cpus_per_worker)) torch threads. The single-process `hf` engine stays the
 default; under Ray a `breakpoint()` inside an actor needs `ray debug`.
+
+A rollout actor that dies (killed, its node lost, out of memory) is replaced: `RayEngine` starts a
+new actor in its place, loads it with the last synced weights and runs its shard again, once. A
+shard that fails again raises from `generate` (which `IsolatedEngine` retries, then records per
+trajectory) and, in `run_episodes`, comes back as trajectories with `error` set (masked, kind
+`engine` in failures.jsonl); the other shards' results are kept either way.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from actloop.config import Config, RayConfig
 from actloop.models import load_models
 from actloop.rollout.engine import Completion, HFEngine, SamplingParams
 from actloop.rollout.episodes import run_episodes
+from actloop.rollout.isolation import describe
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox.ray_pool import RaySandbox, ray_module
 from actloop.tasks import build_task
@@ -113,11 +120,14 @@ class RayEngine:
 
     weights = "copy"
 
-    def __init__(self, workers: list[Any], lora: bool = False, sandbox: Any = None):
+    def __init__(self, workers: list[Any], lora: bool = False, sandbox: Any = None, spawn: Any = None):
         if not workers:
             raise ValueError("RayEngine needs at least one worker")
         self.workers, self.lora, self.sandbox = workers, lora, sandbox
+        self.spawn = spawn  # index -> a new actor handle (replaces a dead one); None: no replacement
         self.generated_tokens = 0
+        self.replaced_workers = 0
+        self._weights = None  # the object ref of the last sync, loaded into replacement actors
 
     @classmethod
     def from_config(cls, cfg: Config) -> RayEngine:
@@ -127,39 +137,90 @@ class RayEngine:
         threads = max(1, int(rc.cpus_per_worker))
         device = "cuda" if rc.gpus_per_worker > 0 else "cpu"
         actor = ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker)
-        workers = [actor.remote(cfg, i, threads, device) for i in range(rc.num_rollout_workers)]
+        def spawn(i: int) -> Any:
+            return actor.remote(cfg, i, threads, device)
+
+        workers = [spawn(i) for i in range(rc.num_rollout_workers)]
         ray.get([w.ready.remote() for w in workers])  # fail here, not in the first step
         sandbox = None
         if rc.num_sandbox_workers:
             sandbox = RaySandbox(rc.num_sandbox_workers, cpus_per_worker=rc.cpus_per_sandbox)
             use_as_default(sandbox)
-        return cls(workers, lora=bool(cfg.lora.enabled), sandbox=sandbox)
+        return cls(workers, lora=bool(cfg.lora.enabled), sandbox=sandbox, spawn=spawn)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        ray = ray_module()
-        refs = [w.generate.remote(prompts[a:b], params)
-                for w, (a, b) in zip(self.workers, shard_bounds(len(prompts), len(self.workers))) if b > a]
-        out = [c for part in ray.get(refs) for c in part]
+        parts = self._sharded(len(prompts), lambda w, a, b: w.generate.remote(prompts[a:b], params))
+        for part in parts:
+            if isinstance(part, Exception):
+                raise part  # IsolatedEngine retries the batch, then records its prompts as failed
+        out = [c for part in parts for c in part]
         self.generated_tokens += sum(len(c.token_ids) for c in out)
         return out
 
     def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int,
                      max_context: int = 4096) -> list[Trajectory]:
-        """Whole episodes on the workers, a contiguous shard of rows each; trajectories in row order."""
-        ray = ray_module()
-        refs = [w.run_episodes.remote(rows[a:b], params, max_turns, max_context)
-                for w, (a, b) in zip(self.workers, shard_bounds(len(rows), len(self.workers))) if b > a]
-        out = [t for part in ray.get(refs) for t in part]
+        """Whole episodes on the workers, a contiguous shard of rows each; trajectories in row
+        order. A shard whose actor failed twice comes back as failed trajectories."""
+        bounds = [(a, b) for a, b in shard_bounds(len(rows), len(self.workers)) if b > a]
+        parts = self._sharded(len(rows), lambda w, a, b: w.run_episodes.remote(rows[a:b], params, max_turns,
+                                                                                max_context))
+        out = []
+        for (a, b), part in zip(bounds, parts):
+            if isinstance(part, Exception):
+                part = [Trajectory(prompt_messages=(), prompt_ids=(), turns=(), row=r, info={}, error=describe(part))
+                        for r in rows[a:b]]
+            out += part
         self.generated_tokens += sum(t.num_response_tokens for t in out)
         return out
+
+    def _sharded(self, n: int, call: Any) -> list[Any]:
+        """`call(worker, start, end)` on each worker's shard; each result in shard order, or the
+        exception of a shard that failed (an actor that died is replaced and its shard run again)."""
+        ray = ray_module()
+        bounds = [(i, a, b) for i, (a, b) in enumerate(shard_bounds(n, len(self.workers))) if b > a]
+        refs = [call(self.workers[i], a, b) for i, a, b in bounds]
+        out: list[Any] = []
+        for (i, a, b), ref in zip(bounds, refs):
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - one shard's failure is that shard's
+                if not _actor_died(e) or self.spawn is None:
+                    out.append(e)
+                    continue
+                try:
+                    self._replace(i)
+                    out.append(ray.get(call(self.workers[i], a, b)))
+                except Exception as again:  # noqa: BLE001
+                    out.append(again)
+        return out
+
+    def _replace(self, i: int) -> None:
+        """A new actor in place of the dead worker `i`, with the last synced weights."""
+        ray = ray_module()
+        try:
+            ray.kill(self.workers[i])
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        self.workers[i] = self.spawn(i)
+        ray.get(self.workers[i].ready.remote())
+        if self._weights is not None:
+            ray.get(self.workers[i].load_weights.remote(self._weights))
+        self.replaced_workers += 1
 
     def sync_weights(self, model: Any) -> None:
         """One `ray.put` of the (CPU) state dict — only the adapter's tensors with LoRA — then
         every worker loads it from the object store."""
         ray = ray_module()
         state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not self.lora or "lora_" in k}
-        ref = ray.put(state)
-        ray.get([w.load_weights.remote(ref) for w in self.workers])
+        ref = self._weights = ray.put(state)
+        refs = [w.load_weights.remote(ref) for w in self.workers]
+        for i, r in enumerate(refs):
+            try:
+                ray.get(r)
+            except Exception as e:  # a dead actor is replaced (with these weights); other errors stop here
+                if not _actor_died(e) or self.spawn is None:
+                    raise
+                self._replace(i)
 
     def close(self) -> None:
         ray = ray_module()
@@ -174,3 +235,9 @@ def use_as_default(sandbox) -> None:
     """Make `sandbox` the process-wide grading sandbox (what `actloop.rewards.code.default_sandbox`
     returns), so the code tasks' graders and environments run their programs on it."""
     code_rewards._DEFAULT_SANDBOX = sandbox
+
+
+def _actor_died(exc: BaseException) -> bool:
+    """RayActorError and its kin (ActorDiedError, ActorUnavailableError): the actor is gone."""
+    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+               for c in type(exc).__mro__)

@@ -8,7 +8,18 @@
 
 A checkpoint is written under `step-000012.tmp-<pid>`, fsynced, then renamed into place, so a
 reader sees a whole checkpoint or none: `load_latest` ignores `.tmp-*` directories (a write
-that was killed). The newest `keep` checkpoints are kept.
+that was killed). Only then are older checkpoints deleted (the newest `keep` are kept), so at
+every instant at least one complete checkpoint is on disk: a directory being replaced (the same
+step written again) is first renamed aside to `step-000012.old-<pid>`, which `list_checkpoints`
+still counts until its replacement is in place. A write that fails (ENOSPC: no space left)
+removes its partial directory, leaves the previous checkpoint as it was and raises
+`CheckpointError` naming it.
+
+Under torchrun (`save_sharded`) the same directory holds `dcp/` (the policy and AdamW state
+written by every rank with `torch.distributed.checkpoint`), `state.pt` (rank 0: scheduler,
+sampler, summary, ...) and `rank-00001.pt` per rank (that rank's RNGs); all ranks write into one
+temporary directory, then rank 0 renames it into place. A sharded checkpoint resumes under
+torchrun with the same number of processes.
 
 `state.pt` is a pickle (RNG states hold Python tuples and NumPy arrays): load checkpoints you
 wrote, not ones from strangers.
@@ -16,6 +27,7 @@ wrote, not ones from strangers.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -32,13 +44,22 @@ import torch
 from actloop.config import Config, ConfigError, load_config
 
 CHECKPOINTS = "checkpoints"
-_NAME = re.compile(r"^step-(\d{6,})$")
+_NAME = re.compile(r"^step-(\d{6,})(\.old-\d+)?$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the disk is full, ...); the previous one is intact."""
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     step: int
     path: Path
+
+    @property
+    def sharded(self) -> bool:
+        """Written under torchrun (`save_sharded`): resume it under torchrun."""
+        return (self.path / "dcp").is_dir()
 
     def load_state(self) -> dict[str, Any]:
         return torch.load(self.path / "state.pt", map_location="cpu", weights_only=False)
@@ -111,32 +132,169 @@ def _fsync(path: Path) -> None:
 
 
 def save(run_dir: str | Path, step: int, policy: torch.nn.Module, state: dict[str, Any], keep: int = 1) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep`. Returns its directory."""
+    """Write checkpoint `step` atomically, then keep the newest `keep`. Returns its directory.
+    Raises `CheckpointError` (the partial write removed, older checkpoints untouched) when the
+    disk is full."""
     from safetensors.torch import save_file
 
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    trainable = trainable_state_dict(policy)
-    save_file(trainable, str(tmp / "policy.safetensors"), metadata={"format": "pt"})
-    torch.save({**state, "step": step}, tmp / "state.pt")
-    total = sum(p.numel() for p in policy.parameters())
-    held = sum(t.numel() for t in trainable.values())
-    (tmp / "meta.json").write_text(json.dumps({
-        "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "policy": "full model" if held >= total else f"trainable parameters only ({held} of {total})"}) + "\n")
-    for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
-    if final.exists():  # the same step written again (a resumed run that re-reached it)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(root)
+    with _writing(tmp, step):
+        trainable = trainable_state_dict(policy)
+        save_file(trainable, str(tmp / "policy.safetensors"), metadata={"format": "pt"})
+        torch.save({**state, "step": step}, tmp / "state.pt")
+        total = sum(p.numel() for p in policy.parameters())
+        held = sum(t.numel() for t in trainable.values())
+        _write_meta(tmp, step, "full model" if held >= total else f"trainable parameters only ({held} of {total})")
+    install(tmp, final)
     prune(root, keep)
     return final
+
+
+def _write_meta(tmp: Path, step: int, policy: str, **more: Any) -> None:
+    (tmp / "meta.json").write_text(json.dumps({
+        "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "policy": policy, **more}) + "\n")
+
+
+class _writing:
+    """`with _writing(tmp, step):` a fresh `tmp` directory to fill; on leaving, every file in
+    it is fsynced. An error inside removes `tmp`; a full disk (ENOSPC, EDQUOT, or another error
+    while a probe write finds no space: torch.save reports a full disk as a RuntimeError
+    "unexpected pos ...") becomes `CheckpointError`."""
+
+    def __init__(self, tmp: Path, step: int, fresh: bool = True):
+        self.tmp, self.step, self.fresh = tmp, step, fresh
+
+    def __enter__(self) -> Path:
+        try:
+            self.tmp.parent.mkdir(parents=True, exist_ok=True)
+            if self.fresh:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(exist_ok=not self.fresh)
+        except OSError as e:
+            self._fail(e)
+        return self.tmp
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None:
+            try:
+                for f in self.tmp.rglob("*"):
+                    if f.is_file():
+                        _fsync(f)
+                _fsync(self.tmp)
+                return False
+            except OSError as e:
+                exc = e
+        if isinstance(exc, Exception):
+            self._fail(exc)
+        return False
+
+    def _fail(self, exc: Exception) -> None:
+        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or _no_space(self.tmp.parent)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if full:
+            raise _full_error(self.tmp.parent, self.step, exc) from exc
+        raise exc
+
+
+def _no_space(directory: Path, probe: int = 1 << 16) -> bool:
+    """Whether 64 KiB more cannot be written in `directory` (a write, not statvfs: quotas count)."""
+    path = directory / f".space-probe-{os.getpid()}"
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * probe)
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _full_error(root: Path, step: int, exc: Exception) -> CheckpointError:
+    prev = [c.step for c in list_checkpoints(root.parent)]
+    kept = (f"the previous checkpoint (step {prev[-1]}, {root / f'step-{prev[-1]:06d}'}) is intact"
+            if prev else "no earlier checkpoint exists")
+    return CheckpointError(f"could not write the checkpoint of step {step} in {root}: no space left on device "
+                           f"({exc}); the partial write was removed and {kept}. Free space, then "
+                           f"continue with `actloop train resume={root.parent}`")
+
+
+def install(tmp: Path, final: Path) -> None:
+    """Rename the finished directory `tmp` to `final`. An existing `final` (the same step written
+    again, a run's `final/` model) is renamed aside first and deleted only after `tmp` is in its
+    place: a crash at any point leaves one complete copy (`list_checkpoints` reads an `.old-*`
+    checkpoint whose replacement never arrived)."""
+    aside = final.with_name(f"{final.name}.old-{os.getpid()}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def save_sharded(run_dir: str | Path, step: int, dist: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 state: dict[str, Any], keep: int = 1) -> Path:
+    """Under torchrun, every rank calls this (it is a collective): the sharded policy and
+    optimizer through `torch.distributed.checkpoint`, each rank's `state` (RNGs, sampler, ...)
+    in its own file, all into one temporary directory that rank 0 renames into place once every
+    rank has finished. `run_dir` is rank 0's run directory (on a file system all ranks share).
+    A write that fails on any rank fails on every rank with the same `CheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / f"step-{step:06d}"
+    tmp = root / f"{final.name}.tmp-{dist.broadcast_object(os.getpid())}"  # rank 0's pid: one name
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # a collective: before anything can fail
+    error: str | None = None
+    try:
+        if dist.is_main:
+            with _writing(tmp, step):
+                pass
+        dist.barrier()
+        with _writing(tmp, step, fresh=False):
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            torch.save({**state, "step": step}, tmp / ("state.pt" if dist.is_main else f"rank-{dist.rank:05d}.pt"))
+            if dist.is_main:
+                _write_meta(tmp, step, f"sharded by torch.distributed.checkpoint over {dist.world} ranks",
+                            world=dist.world)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of every other's failure
+        error = str(e)
+    errors = [e for e in dist.all_gather_objects(error) if e]
+    if errors:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        raise CheckpointError(errors[0])
+    if dist.is_main:
+        install(tmp, final)
+        prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def load_sharded(ckpt: Checkpoint, dist: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Under torchrun: the policy and optimizer of a `save_sharded` checkpoint into this rank's
+    (sharded) model and optimizer; returns this rank's own state (RNGs, sampler, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    meta = json.loads((ckpt.path / "meta.json").read_text())
+    if not ckpt.sharded or meta.get("world") != dist.world:
+        raise ConfigError(f"cannot resume {ckpt.path} with {dist.world} processes: it was written by "
+                          + (f"{meta.get('world')} (each rank's RNGs and prompts are in it; launch torchrun with "
+                             f"--nproc_per_node {meta.get('world')})" if ckpt.sharded else
+                             "one process (resume it without torchrun)"))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    both = {"model": model_sd, "optim": optim_sd}
+    dcp.load(both, checkpoint_id=str(ckpt.path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    own = ckpt.path / ("state.pt" if dist.is_main else f"rank-{dist.rank:05d}.pt")
+    return torch.load(own, map_location="cpu", weights_only=False)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
@@ -144,12 +302,13 @@ def list_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = []
-    for p in root.iterdir():
+    found: dict[int, Path] = {}
+    for p in sorted(root.iterdir(), key=lambda p: p.name):  # step-N sorts before step-N.old-*
         m = _NAME.match(p.name)
-        if m and p.is_dir() and (p / "state.pt").exists() and (p / "policy.safetensors").exists():
-            found.append(Checkpoint(int(m.group(1)), p))
-    return sorted(found, key=lambda c: c.step)
+        if m and p.is_dir() and (p / "state.pt").exists() and (
+                (p / "policy.safetensors").exists() or (p / "dcp" / ".metadata").exists()):
+            found.setdefault(int(m.group(1)), p)  # an .old-* copy only where its replacement is missing
+    return [Checkpoint(k, found[k]) for k in sorted(found)]
 
 
 def load_latest(run_dir: str | Path) -> Checkpoint | None:
@@ -158,9 +317,15 @@ def load_latest(run_dir: str | Path) -> Checkpoint | None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and unfinished writes of dead processes."""
-    for ckpt in list_checkpoints(root.parent)[:-keep]:
+    """Delete all but the newest `keep` checkpoints (never the newest), then unfinished writes
+    of dead processes and `.old-*` copies that were replaced."""
+    found = list_checkpoints(root.parent)
+    for ckpt in found[: -max(1, keep)]:
         shutil.rmtree(ckpt.path, ignore_errors=True)
+    live = {c.path for c in found[-max(1, keep):]}
+    for p in root.glob("step-*.old-*"):
+        if p not in live:
+            shutil.rmtree(p, ignore_errors=True)
     for p in root.glob("step-*.tmp-*"):
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
@@ -222,7 +387,7 @@ def config_changes(saved: Config, new: Config) -> tuple[list[str], list[str]]:
     a, b = _flat(saved.to_dict()), _flat(new.to_dict())
     fixed, allowed = [], []
     for k in b:
-        if k in ("resume", "output_dir", "run_name") or a.get(k) == b[k]:
+        if k in ("resume", "output_dir", "run_name", "overwrite") or a.get(k) == b[k]:
             continue
         line = f"{k}: {a.get(k)!r} -> {b[k]!r}"
         (fixed if any(k == f or (f.endswith(".") and k.startswith(f)) for f in FIXED_ON_RESUME) else allowed).append(line)

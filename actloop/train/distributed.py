@@ -59,15 +59,17 @@ def check_supported(cfg: Config, world: int) -> None:
     if cfg.algo == "grpo" and t.adv_scale == "batch":
         problems.append("train.adv_scale=batch normalises over the whole batch; use group or none under torchrun")
     if t.minibatch_size:
-        problems.append("train.minibatch_size must be 0 under torchrun (one optimizer step per epoch)")
+        problems.append("train.minibatch_size must be 0 under torchrun (one optimizer step per epoch: each "
+                        "rank's mini-batches would be cut from its own share, not from the whole batch as one "
+                        "process cuts them, so the steps would differ from one process; not implemented)")
     if t.entropy_coef:
         problems.append("train.entropy_coef must be 0 under torchrun")
     if cfg.lora.enabled:
-        problems.append("lora.enabled is not supported under torchrun")
+        problems.append("lora.enabled is not supported under torchrun (the engine copy is the base with the "
+                        "adapter merged in, while the FSDP sync copies gathered tensors by name; gathering and "
+                        "merging a sharded adapter is not implemented, and a 135M-2B LoRA run fits one device)")
     if cfg.rollout.engine != "hf":
         problems.append(f"rollout.engine={cfg.rollout.engine}: only the hf engine runs under torchrun")
-    if getattr(cfg, "resume", None):
-        problems.append("resume is not supported under torchrun (checkpoints of sharded runs are not written yet)")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -3,6 +3,8 @@
 Kinds (one count per trajectory and kind):
 
 - ``env``     — the environment raised in reset/step/close (`Trajectory.error`, with traceback);
+- ``engine``  — the generation engine could not serve the episode's request after its retries
+  (HTTP error, timeout, dead Ray actor, out of memory: `actloop.rollout.isolation`);
 - ``sandbox`` — the sandbox could not run the code (`sandbox_error` flag);
 - ``judge``   — an LLM judge gave no usable score (`judge_error` flag: HTTP error, timeout, reply
   off-format);
@@ -89,11 +91,12 @@ def classify(step: int, scored: list[Scored], reward_errors: list[str] = ()) -> 
         traj, rid = s.trajectory, row_id(s.trajectory.row)
         kinds: dict[str, tuple[str, str | None]] = {}
         if traj.error:
-            kinds["env"] = (_last_line(traj.error), traj.error)
+            kind = "engine" if traj.error.startswith("engine: ") else "env"  # actloop.rollout.isolation
+            kinds[kind] = (_last_line(traj.error), traj.error)
         for f in s.flags:
             kind = FLAG_KINDS.get(str(f))
-            if kind is None or kind in kinds:
-                continue
+            if kind is None or kind in kinds or (str(f) == "rollout_error" and traj.error):
+                continue  # (the trajectory's own error is counted above, as env or engine)
             evidence = getattr(f, "evidence", "") or str(f)
             kinds[kind] = (evidence if kind != "reward" or not reward_tb else _last_line(reward_tb),
                            reward_tb if kind == "reward" else None)

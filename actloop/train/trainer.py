@@ -31,7 +31,7 @@ from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
-from actloop.train import checkpoint
+from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import evaluate
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics
 from actloop.train.interrupt import GracefulStop
@@ -49,12 +49,13 @@ class RunResult:
 
 
 def make_run_dir(cfg: Config) -> Path:
+    """A new run directory, locked for this process (`actloop.train.rundir`): a name already used
+    is refused unless `cfg.overwrite`, and one another live run holds is always refused."""
+    import dataclasses
+
     name = cfg.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.output_dir) / name
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"run directory {run_dir} already holds a run; choose another run_name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    run_dir = rundir.prepare_new(Path(cfg.output_dir) / name, cfg.overwrite)
+    (run_dir / "config.yaml").write_text(dataclasses.replace(cfg, overwrite=False).to_yaml())
     return run_dir
 
 
@@ -169,7 +170,9 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
 
 def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     """Run `cfg.algo`: the online RL loop below, or the offline trainers (dpo, sft)."""
-    if cfg.algo in OFFLINE_TRAINERS:
+    try:
+        if cfg.algo not in OFFLINE_TRAINERS:
+            return train_online(cfg, progress=progress, print_fn=print_fn)
         import importlib
 
         if launched_by_torchrun():  # each rank would run its own copy into the same run directory
@@ -180,7 +183,8 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
 
         module, name = OFFLINE_TRAINERS[cfg.algo].split(":")
         return getattr(importlib.import_module(module), name)(cfg, progress=progress, print_fn=print_fn)
-    return train_online(cfg, progress=progress, print_fn=print_fn)
+    finally:
+        rundir.release()  # the run directory's lock (the kernel drops it anyway when the process ends)
 
 
 # Offline algorithms live in their own modules; online ones (grpo, rloo, reinforce_pp, ppo) share
@@ -194,6 +198,7 @@ def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint |
         return make_run_dir(cfg), None
     run_dir = Path(cfg.resume)
     saved = load_config(run_dir / "config.yaml")
+    rundir.claim(run_dir)  # not while another process still runs into it
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
         raise ConfigError(f"cannot resume {run_dir}: no checkpoint in {run_dir / checkpoint.CHECKPOINTS} (one is "
@@ -233,15 +238,21 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     dist = init_distributed(cfg)  # torchrun: this rank's place; one process: a no-op (docs/distributed.md)
     print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
     run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
+    ckpt_dir = dist.broadcast_object(run_dir)  # sharded checkpoints: every rank writes into rank 0's
+    ckpt = dist.broadcast_object(ckpt)
+    if ckpt is not None and ckpt.sharded != dist.active:
+        raise ConfigError(f"cannot resume {ckpt.path}: it was written " + (
+            "under torchrun (sharded); resume it under torchrun with as many processes" if ckpt.sharded else
+            "by one process; resume it without torchrun"))
     print_fn(f"run directory: {run_dir}")
     task: LoadedTask = build_task(cfg)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
                          attn_implementation=cfg.train.attn_implementation)
-    if ckpt is not None:
-        ckpt.load_policy(models.policy)  # before the engine copies the weights
+    if ckpt is not None and not dist.active:
+        ckpt.load_policy(models.policy)  # before the engine copies the weights (sharded: after `prepare`)
     renderer = Renderer(models.tokenizer)
     engine = make_engine(cfg, models, renderer)
-    if ckpt is not None:
+    if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
     models.policy = dist.prepare(cfg, models, engine)  # FSDP2 under torchrun, after the engine's copy
     critic = Critic(models.policy, cfg.ppo.critic) if cfg.algo == "ppo" else None
@@ -265,8 +276,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     guard = FailureGuard(cfg.failures)
     start, state = 1, None
     if ckpt is not None:
-        state = ckpt.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if dist.active:  # every rank: its shards of the policy and AdamW state, its own RNGs
+            state = checkpoint.load_sharded(ckpt, dist, models.policy, optimizer)
+            dist.sync_engine(engine, models.policy)
+        else:
+            state = ckpt.load_state()
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         checkpoint.apply_optimizer_config(optimizer, scheduler, [cfg.train.lr, cfg.ppo.critic_lr][: len(param_groups)],
                                           cfg.train.weight_decay)  # a resume may change train.lr
@@ -288,18 +303,27 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             if name in state.get("extra", {}) and hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(state["extra"][name])
 
-    def save_checkpoint(step: int) -> None:
-        if dist.active:  # sharded weights and optimizer state: not written yet (docs/distributed.md)
-            return
+    def save_checkpoint(step: int) -> str | None:
+        """Write checkpoint `step`; None, or why it could not be written (the run then stops:
+        the previous checkpoint is intact)."""
         t = time.time()
-        checkpoint.save(run_dir, step, models.policy, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        state = {
+            "scheduler": scheduler.state_dict(),
             "critic": critic.state_dict() if critic is not None else None, "sampler": sampler.state_dict(),
             "beta": ctx.beta, "rng": checkpoint.rng_state(), "summary": summary, "totals": totals,
             "failure_guard": guard.state_dict(),
             "extra": {n: o.state_dict() for n, o in stateful.items() if hasattr(o, "state_dict")},
-        }, keep=cfg.checkpoint.keep)
+        }
+        try:
+            if dist.active:  # sharded policy and AdamW state: torch.distributed.checkpoint, every rank
+                checkpoint.save_sharded(ckpt_dir, step, dist, models.policy, optimizer, state, keep=cfg.checkpoint.keep)
+            else:
+                checkpoint.save(run_dir, step, models.policy, {"optimizer": optimizer.state_dict(), **state},
+                                keep=cfg.checkpoint.keep)
+        except checkpoint.CheckpointError as e:
+            return str(e)
         totals["checkpoint_seconds"] += time.time() - t
+        return None
 
     def run_eval(label: str, rows: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
         if not dist.is_main:  # rank 0 evaluates; the others wait for it at the next collective
@@ -380,7 +404,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             every = cfg.checkpoint.every
             if ((every and step % every == 0) or stop_msg or requested
                     or (step == cfg.train.steps and cfg.checkpoint.at_end)):
-                save_checkpoint(step)
+                stop_msg = save_checkpoint(step) or stop_msg  # a disk full stops the run here
             if stop_msg or requested:
                 break
 
@@ -407,9 +431,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     if cfg.train.eval_after and task.eval_rows:
         run_eval("eval_after")
     if cfg.train.save_final:
-        final = run_dir / "final"
-        dist.save_pretrained(models.policy, final)  # FSDP: gathered on every rank, written by rank 0
-        models.tokenizer.save_pretrained(final)
+        final, tmp = run_dir / "final", run_dir / f"final.tmp-{os.getpid()}"
+        dist.save_pretrained(models.policy, tmp)  # FSDP: gathered on every rank, written by rank 0
+        if dist.is_main:
+            models.tokenizer.save_pretrained(tmp)
+            checkpoint.install(tmp, final)  # an earlier final/ is deleted only once the new one is in place
         summary["final_dir"] = str(final)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run_dir = dist.broadcast_object(run_dir)  # every rank reports rank 0's run directory

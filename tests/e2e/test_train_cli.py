@@ -19,6 +19,36 @@ def run_cli(*args, cwd=ROOT):
     return proc.stdout
 
 
+def blog_data(tmp_path: Path) -> tuple[Path, str]:
+    """Rows for the blog's reward function, and `reward.funcs` with it and a term that differs
+    between samples: at these budgets the blog reward is -1 for every completion (no closing
+    </thought> in 24 tokens), so every group was all-equal and nothing trained."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
+                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
+        for i in range(10)))
+    (tmp_path / "varied.py").write_text("def varied(prompts, completions, **kw):\n"
+                                        "    return [len(set(c)) / 100 for c in completions]\n")
+    blog = ROOT / "tests" / "rewards" / "blog_reward.py"
+    return rows, f"[{blog}:reasoning_reward_func,{tmp_path / 'varied.py'}:varied]"
+
+
+def trained(lines: list[dict]) -> int:
+    """An e2e run must have trained something: a non-zero gradient on some step (all-equal groups
+    count in `trained_trajectories` with advantage 0 and give no gradient; masked failures give
+    none; `kl >= 0` holds for k3 anyway)."""
+    n = sum(r["trained_trajectories"] for r in lines)
+    assert n > 0 and any(r["grad_norm"] > 0 for r in lines), [(r["step"], r["grad_norm"], r["reward_std"]) for r in lines]
+    return n
+
+
+def changed_tensors(before: dict, after: dict) -> int:
+    import torch
+
+    return sum(not torch.equal(before[k].float(), after[k].float()) for k in after if k in before)
+
+
 def finite_metrics(run_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for rec in lines:
@@ -29,7 +59,10 @@ def finite_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_train_calculator_tiny(tmp_path):
-    out = run_cli("train", *TINY, "train.eval_every=2", "train.eval_every_rows=2", f"output_dir={tmp_path}", "run_name=calc")
+    # 48 new tokens: the embedded model can finish a calculator tool call (about 32 tokens), so some
+    # episodes succeed; 4 samples per prompt make a group with mixed rewards (something to train on)
+    out = run_cli("train", *TINY, "rollout.max_new_tokens=48", "train.group_size=4", "train.eval_every=2",
+                  "train.eval_every_rows=2", f"output_dir={tmp_path}", "run_name=calc")
     run_dir = tmp_path / "calc"
     assert f"run directory: {run_dir}" in out.replace("\n", "") or str(run_dir) in out
     assert (run_dir / "config.yaml").exists()
@@ -41,13 +74,20 @@ def test_train_calculator_tiny(tmp_path):
                 "tool_tokens", "tool_calls_per_episode", "malformed_call_rate", "rollout_s", "scoring_s", "update_s",
                 "reward/correct"]:
         assert key in lines[0], key
+    assert sum(r["tool_calls_per_episode"] for r in lines) > 0  # tool calls were made and executed
+    trained(lines)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["eval_before"]["success"] <= 1.0 and 0.0 <= summary["eval_after"]["success"] <= 1.0
     assert summary["seconds_per_step"] > 0
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    from actloop.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert model.config.model_type == "llama"
+    base = load_file(str(Path(resolve_model("smollm2-135m-instruct")) / "model.safetensors"))
+    assert changed_tensors(base, model.state_dict()) > 100  # the final weights are trained ones
     # `actloop eval` reads the run directory's final checkpoint
     res = json.loads(run_cli("eval", "--model", str(run_dir), "--n", "2", "--max-new-tokens", "16", "--json").strip().splitlines()[-1])
     assert res["n"] == 2 and 0.0 <= res["success"] <= 1.0
@@ -55,27 +95,30 @@ def test_train_calculator_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_train_custom_jsonl_with_blog_reward(tmp_path):
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
-                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
-        for i in range(10)))
-    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    rows, funcs = blog_data(tmp_path)
     run_cli("train", *TINY, f"output_dir={tmp_path}", "run_name=custom", f"data.path={rows}",
-            f"reward.funcs=[{reward}:reasoning_reward_func]", "train.beta=0.04")
+            f"reward.funcs={funcs}", "train.beta=0.04")
     lines = finite_metrics(tmp_path / "custom")
-    assert all(-1.0 <= r["reward_mean"] <= 2.0 for r in lines) and "reward/reasoning_reward_func" in lines[0]
-    assert all(r["kl"] >= 0 for r in lines)
+    assert all(-1.0 <= r["reward_mean"] <= 2.5 for r in lines) and "reward/reasoning_reward_func" in lines[0]
+    trained(lines)
+    assert lines[1]["kl"] > 0  # step 2 samples from updated weights: the policy moved off the reference
 
 
 @pytest.mark.slow
 def test_train_lora_tiny(tmp_path):
     pytest.importorskip("peft")
+    rows, funcs = blog_data(tmp_path)
     run_cli("train", *TINY, "train.eval_before=false", "train.eval_after=false", "lora.enabled=true", "lora.r=4",
-            "train.beta=0.04", f"output_dir={tmp_path}", "run_name=lora")
+            "train.beta=0.04", f"output_dir={tmp_path}", "run_name=lora", f"data.path={rows}",
+            f"reward.funcs={funcs}")
     lines = finite_metrics(tmp_path / "lora")
     assert len(lines) == 2
     assert (tmp_path / "lora" / "final" / "adapter_config.json").exists()
+    trained(lines)
+    from safetensors.torch import load_file  # LoRA's B matrices start at zero: a trained adapter moved them
+
+    adapter = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
+    assert any(float(t.abs().max()) > 0 for k, t in adapter.items() if "lora_B" in k)
 
 
 def test_malformed_data_row_fails_with_file_and_line(tmp_path):
@@ -102,17 +145,13 @@ ALGO_VARIANTS = {
 def test_online_algorithms_tiny(tmp_path, name):
     """Each online algorithm completes two steps on the blog reward (which varies within a group)
     with finite metrics and the keys its maths reports."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think in <thought></thought>, then "
-                                                           "write ### Final Answer."}], "answer_keys": str(2 * i)}) + "\n"
-        for i in range(10)))
-    reward = ROOT / "tests" / "rewards" / "blog_reward.py"
+    rows, funcs = blog_data(tmp_path)
     run_cli("train", *TINY, "train.group_size=4", "train.eval_before=false", "train.eval_after=false",
             "train.save_final=false", f"output_dir={tmp_path}", "run_name=r", f"data.path={rows}",
-            f"reward.funcs=[{reward}:reasoning_reward_func]", *ALGO_VARIANTS[name])
+            f"reward.funcs={funcs}", *ALGO_VARIANTS[name])
     lines = finite_metrics(tmp_path / "r")
     assert len(lines) == 2
+    trained(lines)
     for r in lines:  # correction metrics exist whenever something was trained (all-equal groups train nothing)
         assert "is_ratio_mean" in r or not r["trained_trajectories"]
     if "algo=ppo" in ALGO_VARIANTS[name]:

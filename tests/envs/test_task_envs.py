@@ -37,6 +37,7 @@ def py_call(code):
 # ------------------------------------------------------------------------------------ gsm8k
 
 
+@pytest.mark.data("gsm8k")
 def test_gsm8k_gold_and_wrong(renderer, scripted):
     t = task("gsm8k")
     row = t.eval_rows[0]
@@ -51,6 +52,7 @@ def test_gsm8k_gold_and_wrong(renderer, scripted):
 
 
 @needs_sandbox
+@pytest.mark.data("gsm8k")
 def test_gsm8k_tool_episode_uses_one_persistent_session_and_closes_it(renderer, scripted):
     t = task("gsm8k-tool")
     row = {**t.eval_rows[0], "answer": "#### 42"}
@@ -72,6 +74,7 @@ def test_gsm8k_tool_episode_uses_one_persistent_session_and_closes_it(renderer, 
 
 
 @needs_sandbox
+@pytest.mark.data("gsm8k")
 def test_gsm8k_tool_wrong_answer_and_unfinished_episode(renderer, scripted):
     t = task("gsm8k-tool")
     row = {**t.eval_rows[0], "answer": "#### 42"}
@@ -128,6 +131,7 @@ RUN = '<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>'
 
 
 @needs_sandbox
+@pytest.mark.data("mbpp")
 def test_mbpp_agent_tests_revises_and_is_graded_on_all_tests(renderer, scripted):
     t = task("mbpp")
     eng = scripted(renderer, [BUGGY + RUN, FIXED])
@@ -140,6 +144,7 @@ def test_mbpp_agent_tests_revises_and_is_graded_on_all_tests(renderer, scripted)
 
 
 @needs_sandbox
+@pytest.mark.data("mbpp")
 def test_mbpp_wrong_final_code_and_test_run_budget(renderer, scripted):
     t = task("mbpp")
     eng = scripted(renderer, [BUGGY + RUN, RUN, RUN, RUN, "I give up.\n" + BUGGY])
@@ -160,6 +165,7 @@ def test_mbpp_run_tests_before_any_code_is_an_error():
 
 
 @needs_sandbox
+@pytest.mark.data("mbpp")
 def test_mbpp_real_rows_gold_scores_full_marks():
     t = task("mbpp")
     assert t.rubric.validate(t.eval_rows, resolve("mbpp").gold, n=None).ok

@@ -31,6 +31,7 @@ def grade(code, row, **kw):
 ROW = {"test_list": ["assert f(3) == [1, 2, 3]", "assert f(0) == []", "assert f(1) == [1]"], "code": "def f(n): ..."}
 
 
+@pytest.mark.data("mbpp")
 def test_mbpp_reference_solutions_score_full_marks():
     mbpp = resolve("mbpp")
     report = mbpp.rubric().validate(grade_rows(mbpp), mbpp.gold, n=6, seed=1)
@@ -85,6 +86,7 @@ def test_candidate_builtins_cannot_reach_the_host_side_check():
     assert grade("def f(n):\n    return [2, 1, 1]", row).score == 1.0
 
 
+@pytest.mark.data("mbpp")
 def test_reference_names_that_shadow_builtins_run_in_the_sandbox():
     mbpp = resolve("mbpp")
     row = find_row(mbpp, 126, grade_rows(mbpp))  # the task's function is called `sum`

@@ -25,6 +25,7 @@ def record(result):
     return json.loads(line)
 
 
+@pytest.mark.data("gsm8k")
 def test_gsm8k_right_and_hedged(tmp_path):
     r = record(grade(tmp_path, "9 * 2 = 18\n#### 18", "--task", "gsm8k", "--id", "0"))
     assert (r["reward"], r["passed"], r["total"], r["flags"], r["components"]) == (1.0, 1, 1, [], {"correct": 1.0, "format": 1.0})  # the training rubric
@@ -35,6 +36,7 @@ def test_gsm8k_right_and_hedged(tmp_path):
 
 
 @pytest.mark.skipif(not probe_bwrap().available, reason="the code grader runs in the bwrap sandbox")
+@pytest.mark.data("mbpp")
 def test_mbpp_fenced_code_and_a_lookup_table(tmp_path):
     honest = "Here you go:\n```python\ndef similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b)))\n```\nDone."
     r = record(grade(tmp_path, honest, "--task", "mbpp", "--id", "2"))
@@ -65,8 +67,8 @@ def test_instructions_from_a_data_file_and_the_data_dir_override(tmp_path, monke
 
 @pytest.mark.parametrize("args,msg", [
     (["--task", "poetry", "--id", "0"], "unknown task"),
-    (["--task", "gsm8k", "--id", "5000"], "rows 0..1318"),
-    (["--task", "mbpp", "--id", "99999"], "no mbpp row with task_id 99999"),
+    pytest.param(["--task", "gsm8k", "--id", "5000"], "rows 0..1318", marks=pytest.mark.data("gsm8k")),
+    pytest.param(["--task", "mbpp", "--id", "99999"], "no mbpp row with task_id 99999", marks=pytest.mark.data("mbpp")),
     (["--task", "nope.py:TASK", "--id", "0"], "does not exist"),
     (["--task", "json:__name__", "--id", "0"], "is a str, not an actloop Task"),
     (["--task", "json:loads", "--id", "0"], "calling it with the config failed"),
@@ -76,6 +78,7 @@ def test_bad_arguments_fail_with_a_message(tmp_path, args, msg):
     assert result.exit_code == 2 and msg in result.output
 
 
+@pytest.mark.data("gsm8k")
 def test_the_installed_entry_point_prints_one_json_line(tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("\\boxed{3}")

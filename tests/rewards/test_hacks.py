@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE))  # the red-team cases are test material (tests/rew
 from redteam import CASES, rates, run_suite, summary  # noqa: E402
 
 
+@pytest.mark.data("gsm8k", "mbpp")
 def test_adversarial_suite_rates():
     if not probe_bwrap().available:
         pytest.skip("the suite's code cases run in the bwrap sandbox")

@@ -15,7 +15,8 @@ from actloop.rewards.rubric import text_trajectory
 class ScriptedServer:
     """`POST /v1/chat/completions`. `script` is a list of replies used in order (the last one
     repeats), or a function request-body -> reply. A reply is a dict: `text` (the assistant's
-    content), or `status` (an HTTP error), plus optional `delay`, `headers`, `usage`."""
+    content), `raw` (a 200 whose body is these bytes), or `status` (an HTTP error), plus optional
+    `delay`, `headers`, `usage`."""
 
     def __init__(self, script):
         self.script = script
@@ -44,6 +45,9 @@ class ScriptedServer:
                         for k, v in reply.get("headers", {}).items():
                             self.send_header(k, v)
                         data = b'{"error": {"message": "scripted"}}'
+                    elif "raw" in reply:
+                        self.send_response(200)
+                        data = reply["raw"]
                     else:
                         self.send_response(200)
                         usage = reply.get("usage", {"prompt_tokens": 100, "completion_tokens": 20})
@@ -242,3 +246,46 @@ def test_panel_masks_when_one_judge_fails(serve):
     panel = JudgePanel([Judge(config(good, name="good"), POINT), Judge(config(bad, name="bad"), POINT)])
     (s,) = Rubric([RewardTerm("judges", panel)]).score([text_trajectory("x")])
     assert s.masked and s.flags == ("judge_error",) and s.flags[0].evidence.startswith("bad: parse")
+
+
+@pytest.mark.parametrize("raw", [b"<html>502 Bad Gateway</html>", b"", b'{"choices": []}', b'{"choices": [{"message": {}}]}'])
+def test_a_200_reply_that_is_not_a_chat_completion_is_a_masked_failure(serve, raw):
+    server = serve([{"raw": raw}])
+    judge = Judge(config(server), POINT)
+    (s,) = Rubric([RewardTerm("judge", judge)]).score([text_trajectory("an answer")])
+    assert s.masked and s.flags == ("judge_error",) and "bad_reply" in s.flags[0].evidence
+    assert "not an OpenAI chat completion" in s.flags[0].evidence and "judge" not in s.components
+    assert judge.stats.failures == {"bad_reply": 1} and len(server.requests) == 1  # a bad body is not retried
+
+
+def test_a_refused_connection_is_retried_then_a_masked_failure():
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = JudgeConfig(base_url=f"http://127.0.0.1:{port}/v1", model="judge-1", api_key_env=None, timeout_s=2.0,
+                      max_retries=2, backoff_s=0.01, max_backoff_s=0.05)
+    judge = Judge(cfg, POINT)
+    g = judge.judge("q", "a")
+    assert g.score is None and g.flags == ("judge_error",) and "connection failed" in g.flags[0].evidence
+    assert judge.stats.failures == {"connection": 1} and judge.stats.retries == 2
+
+
+@pytest.mark.parametrize("header,max_backoff,expected", [
+    ("0.3", 5.0, 0.3),  # honoured exactly (not our jittered backoff of 1-2 s)
+    ("120", 0.25, 0.25),  # capped at max_backoff_s
+    ("Wed, 21 Oct 2026 07:28:00 GMT", 0.4, None),  # an HTTP date: our own backoff (jittered, <= cap)
+])
+def test_retry_after_is_honoured_and_capped(serve, monkeypatch, header, max_backoff, expected):
+    import actloop.rewards.judge as judge_module
+
+    waits = []
+    monkeypatch.setattr(judge_module.time, "sleep", waits.append)
+    server = serve([{"status": 429, "headers": {"Retry-After": header}}, {"text": "SCORE: 10"}])
+    judge = Judge(config(server, backoff_s=2.0, max_backoff_s=max_backoff), POINT)
+    assert judge.judge("q", "a").score == 1.0 and len(waits) == 1
+    if expected is None:
+        assert max_backoff * 0.5 <= waits[0] <= max_backoff
+    else:
+        assert waits[0] == pytest.approx(expected)

@@ -1,6 +1,7 @@
 """Tokens in, tokens out: the trainer's recomputed log-probs of a just-sampled trajectory
 match the engine's (on-policy ratio 1 up to numerical noise)."""
 
+import pytest
 import torch
 
 from actloop.tasks.calculator import CalculatorEnv, make_splits
@@ -14,12 +15,18 @@ from actloop.train.logprobs import token_logprobs
 FP32_TOL = 1e-3
 
 
-def _sampled(fp32_model, tokenizer, n=4, precision="fp32", weights="live", seed=0):
+# 48 new tokens: enough for the embedded model to finish a calculator tool call (about 32 tokens)
+# and get a second turn; with 24 no episode ever reached one, and the multi-turn checks compared nothing
+MULTI_TURN_TOKENS = 48
+
+
+def _sampled(fp32_model, tokenizer, n=4, precision="fp32", weights="live", seed=0, max_new_tokens=MULTI_TURN_TOKENS):
     torch.manual_seed(seed)
     r = Renderer(tokenizer)
     engine = HFEngine(fp32_model, tokenizer, r.eos_token_ids, r.stop_strings, precision=precision, weights=weights)
     _, held = make_splits(0, n, seed=0)
-    trajs = run_episodes(engine, r, CalculatorEnv, held, SamplingParams(max_new_tokens=24, temperature=1.0), max_turns=2)
+    trajs = run_episodes(engine, r, CalculatorEnv, held, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
+                         max_turns=2)
     return r, engine, trajs
 
 
@@ -38,22 +45,31 @@ def _compare(model, trajs, precision="fp32"):
     return torch.cat(diffs)
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_match_engine_fp32(fp32_model, tokenizer):
     _, _, trajs = _sampled(fp32_model, tokenizer)
     assert sum(t.num_response_tokens for t in trajs) > 20
+    # multi-turn episodes are among those compared: a tool call executed, its result appended (mask 0)
+    # and a second assistant turn sampled after it
+    multi = [t for t in trajs if len(t.turns) > 1 and t.num_tool_calls > 0]
+    assert multi, [(len(t.turns), t.num_tool_calls) for t in trajs]
+    assert all(t.turns[1].token_ids and t.turns[0].env_ids for t in multi)
     diff = _compare(fp32_model, trajs)
     assert float(diff.max()) < FP32_TOL, f"max |engine - trainer| log-prob = {float(diff.max()):.2e}"
     ratio = torch.exp(diff)
     assert float(ratio.max()) < 1 + FP32_TOL
 
 
+@pytest.mark.slow
 def test_multi_turn_episode_has_masked_env_tokens(fp32_model, tokenizer):
     _, _, trajs = _sampled(fp32_model, tokenizer, n=6)
     multi = [t for t in trajs if len(t.turns) > 1]
+    assert len(multi) >= 2, [len(t.turns) for t in trajs]  # the check below must see some
     for t in multi:
         assert t.turns[0].env_ids and 0 in t.loss_mask[len(t.prompt_ids):]
 
 
+@pytest.mark.slow
 def test_bf16_engine_copy_mismatch_is_small(fp32_model, tokenizer):
     """The default engine keeps a bf16 copy; its log-probs drift from the fp32 trainer's by
     rounding only. Mean |diff| is ~1e-2 here; a broken copy (stale or wrong weights) is >> 0.1."""

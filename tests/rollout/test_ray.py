@@ -87,9 +87,10 @@ def test_train_through_ray_same_loop(ray_session, tmp_path):
     import actloop.rewards.code as code
     from actloop.sandbox.ray_pool import RaySandbox
 
-    cfg = _cfg(tmp_path, "rollout.engine=ray", "train.steps=2", "train.prompts_per_step=2", "train.group_size=2",
-               "rollout.max_new_tokens=12", "rollout.max_turns=2", "train.eval_before=false", "train.eval_after=false",
-               "train.save_final=false", "run_name=ray", "ray.num_sandbox_workers=1")
+    # 40 new tokens: the embedded model can finish a calculator tool call on the workers (12 never did)
+    cfg = _cfg(tmp_path, "rollout.engine=ray", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4",
+               "rollout.max_new_tokens=40", "rollout.max_turns=2", "train.eval_before=false", "train.eval_after=false",
+               "train.save_final=false", "checkpoint.at_end=false", "run_name=ray", "ray.num_sandbox_workers=1")
     try:
         res = train(cfg, progress=False, print_fn=lambda *a: None)
         sandbox = code.default_sandbox()  # the code graders' sandbox is now the actors'
@@ -102,6 +103,8 @@ def test_train_through_ray_same_loop(ray_session, tmp_path):
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["response_tokens"] > 0 and r["gen_tokens_per_s"] > 0
         assert r["failed_rollouts"] == 0
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+    assert sum(r["tool_calls_per_episode"] for r in lines) > 0  # the workers' episodes made tool calls
+    assert sum(r["trained_trajectories"] for r in lines) > 0  # and the driver trained on them
     assert res.summary["generated_tokens_per_s"] > 0
 
 

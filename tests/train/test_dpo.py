@@ -98,6 +98,7 @@ def _trajectory(r: Renderer, question: str, answer: str):
                       turns=(Turn(Message("assistant", answer), ids, (0.0,) * len(ids), "stop"),))
 
 
+@pytest.mark.slow
 def test_online_dpo_loss_builds_best_vs_worst_pairs(tokenizer, fp32_model, one_thread):
     """Policy == reference: every implicit reward is 0 and the sigmoid loss is exactly log 2; one
     pair per group with distinct rewards, tied groups skipped; the loss carries gradient."""

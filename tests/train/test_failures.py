@@ -78,7 +78,7 @@ def test_env_that_raises_is_recorded_masked_and_counted(tokenizer, renderer, tmp
     assert [(f.kind, f.index, f.row_id, f.masked) for f in failures] == [("env", 1, "r1", True), ("env", 3, "r3", True)]
     assert failures[0].message == "RuntimeError: tool server down" and "Traceback" in failures[0].traceback
     m = failure_metrics(failures, len(scored), FailuresConfig())
-    assert m == {"failures/env": 2, "failures/sandbox": 0, "failures/judge": 0, "failures/reward": 0,
+    assert m == {"failures/env": 2, "failures/engine": 0, "failures/sandbox": 0, "failures/judge": 0, "failures/reward": 0,
                  "failures/parse": 0, "failures/masked": 2, "failures/rate": 0.5}
     log = FailureLog(tmp_path / "failures.jsonl")
     log.write(failures)

@@ -161,7 +161,7 @@ def test_torchrun_train_writes_one_run_from_rank_0(tmp_path):
     torchrun(["-m", "actloop", "train", "--no-progress", f"data.path={rows}", f"reward.funcs=[{tmp_path}/rew.py:length]",
               "train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "rollout.max_new_tokens=8",
               "rollout.max_turns=1", "train.eval_before=false", "train.eval_after=false", "train.threads=1",
-              f"output_dir={out}", "run_name=r", "monitor.sample_every=0"], cwd=tmp_path)
+              f"output_dir={out}", "run_name=r", "monitor.sample_every=0", "checkpoint.at_end=false"], cwd=tmp_path)
     assert [p.name for p in out.iterdir()] == ["r"]  # rank 1 wrote nothing here
     lines = [json.loads(x) for x in (out / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]

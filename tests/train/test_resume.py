@@ -348,3 +348,106 @@ def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoin
     stopped = res.summary["stopped"]
     assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [stopped["step"]]
     assert stopped == {"step": 2, "reason": "SIGTERM"}  # step 1 read "nothing", step 2 the signal
+
+
+# --- torchrun: sharded checkpoints (torch.distributed.checkpoint), killed and resumed ------------
+
+
+def _torchrun(args: list[str], wrapper: Path | None = None, **env: str) -> subprocess.Popen:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           *([str(wrapper)] if wrapper else ["-m", "actloop"]), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # three 2-process runs (150-190 s here under load; allow a slow CI)
+def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_path):
+    """2 processes (gloo, FSDP2, 1 thread each): straight through, and SIGKILLed (both ranks and the
+    torchrun agent) in the middle of step 3, then `torchrun ... actloop train resume=RUN_DIR`.
+    The sharded checkpoint of step 2 brings back every rank's policy and AdamW shards, RNGs and
+    prompt position: the metrics of every step and the final weights are identical."""
+    args = [a for a in tiny(tmp_path, "x") if not a.startswith(("run_name", "train.save_final"))]
+    straight = _torchrun([*args, "run_name=straight", "train.save_final=true"])
+    killed_dir = tmp_path / "killed"
+    wrapper, mark = tmp_path / "paused_train.py", tmp_path / "paused"
+    wrapper.write_text(PAUSED)  # each rank pauses in step 3, after its rollout, before its update
+    killed = _torchrun([*args, "run_name=killed", "train.save_final=true"], wrapper, PAUSE_AT="3", PAUSE_MARK=str(mark))
+    deadline = time.time() + 900
+    while not mark.exists():
+        assert killed.poll() is None, killed.communicate()[0][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    ranks = _descendants(killed.pid)
+    assert len([p for p in ranks if "paused_train.py" in Path(f"/proc/{p}/cmdline").read_text()]) == 2, ranks
+    for pid in [killed.pid, *ranks]:  # both ranks and the agent, at once, no chance to clean up
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    killed.wait()
+    ckpts = checkpoint.list_checkpoints(killed_dir)
+    assert [c.step for c in ckpts] == [2] and ckpts[0].sharded  # written by torch.distributed.checkpoint
+    assert (ckpts[0].path / "rank-00001.pt").exists() and (ckpts[0].path / "dcp" / ".metadata").exists()
+    assert len(metrics(killed_dir)) == 2
+
+    resumed = _torchrun(["train", f"resume={killed_dir}", "--no-progress"])
+    out = finish(resumed, timeout=900)
+    assert "resuming from" in out and "step 2 of 4" in out
+    finish(straight, timeout=900)
+
+    a, b = metrics(tmp_path / "straight"), metrics(killed_dir)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert all(r["trained_trajectories"] > 0 for r in a)
+    for ra, rb in zip(a, b):
+        assert ra == rb, {k: (ra.get(k), rb.get(k)) for k in set(ra) | set(rb) if ra.get(k) != rb.get(k)}
+    assert [c.step for c in checkpoint.list_checkpoints(killed_dir)] == [4]
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    wb = load_file(str(killed_dir / "final" / "model.safetensors"))
+    w0 = {k: v for k, v in wa.items()}
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    print(json.dumps({"steps": len(a), "metric_keys_compared": len(a[0]), "weights_compared": len(w0)}))
+
+
+def _fake_sharded(run: Path, world: int = 2) -> checkpoint.Checkpoint:
+    ck = run / "checkpoints" / "step-000002"
+    (ck / "dcp").mkdir(parents=True)
+    (ck / "dcp" / ".metadata").write_bytes(b"x")
+    torch.save({"step": 2}, ck / "state.pt")
+    (ck / "meta.json").write_text(json.dumps({"step": 2, "world": world}))
+    return checkpoint.load_latest(run)
+
+
+def test_a_sharded_checkpoint_resumes_only_under_torchrun_with_its_world_size(tmp_path):
+    from types import SimpleNamespace
+
+    from actloop.train.trainer import train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(None, [f"output_dir={tmp_path}", "run_name=run"]).to_yaml())
+    ckpt = _fake_sharded(run)
+    assert ckpt.sharded and ckpt.step == 2
+    with pytest.raises(ConfigError, match="written under torchrun .*resume it under torchrun"):
+        train(checkpoint.resume_config(run), progress=False, print_fn=lambda *_: None)  # before any model loads
+    with pytest.raises(ConfigError, match="with 4 processes: it was written by 2 .*--nproc_per_node 2"):
+        checkpoint.load_sharded(ckpt, SimpleNamespace(world=4, rank=0, is_main=True), torch.nn.Linear(2, 2), None)
