@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from actloop.config import ConfigError, all_keys, load_config, type_name
@@ -36,6 +37,12 @@ console = Console()
 USER_ERRORS = (ConfigError, DataError, ModelError, RewardError)
 
 
+def say(*objects) -> None:
+    """Print library text as it is: messages quote paths, keys and values such as `[gsm8k:0.7]`
+    that rich would otherwise read as markup and drop."""
+    console.print(*objects, markup=False, highlight=False)
+
+
 def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
     """`[CONFIG.yaml] [key=value ...]` -> (config path or None, overrides)."""
     if args and "=" not in args[0]:
@@ -44,7 +51,7 @@ def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"[bold red]error:[/] {escape(msg)}")
     raise typer.Exit(2)
 
 
@@ -62,18 +69,24 @@ def train(
     except ConfigError as e:
         _fail(str(e))
     try:
-        result = run_train(cfg, progress=not no_progress, print_fn=console.print)
+        result = run_train(cfg, progress=not no_progress, print_fn=say)
     except USER_ERRORS as e:
         _fail(str(e))
     except RunAborted as e:
-        console.print(f"[bold red]run stopped:[/] {e}")
+        console.print(f"[bold red]run stopped:[/] {escape(str(e))}")
         raise typer.Exit(3)
     s = result.summary
     if "eval_before" in s and "eval_after" in s:
         b, a = s["eval_before"]["success"], s["eval_after"]["success"]
         console.print(f"[bold]held-out greedy success: {b:.1%} -> {a:.1%} ({(a - b) * 100:+.1f} points)[/]")
-    console.print(f"seconds per step: {s['seconds_per_step']}, generated tokens/s: {s['generated_tokens_per_s']}")
-    console.print(f"run directory: {result.run_dir}")
+    say(", ".join(f"{label}: {s[key]}" for key, label in RUN_FIGURES if key in s))  # what this algorithm measured
+    say(f"run directory: {result.run_dir}")
+
+
+# summary keys printed at the end of `actloop train`, where the run has them: online runs generate,
+# offline trainers (dpo, sft) read their data and report what they trained on instead
+RUN_FIGURES = (("steps", "steps"), ("seconds_per_step", "seconds per step"),
+               ("generated_tokens_per_s", "generated tokens/s"), ("trained_tokens_per_s", "trained tokens/s"))
 
 
 @app.command("eval")
@@ -231,7 +244,10 @@ def grade(
 @config_app.command("show")
 def config_show(
     args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] to show resolved values."),
-    as_yaml: bool = typer.Option(False, "--yaml", help="Print the resolved config as YAML."),
+    as_yaml: bool = typer.Option(False, "--yaml", help="Print the resolved config as YAML, each key's doc as a "
+                                 "comment (loadable as a config file)."),
+    plain: bool = typer.Option(False, "--plain", help="One key per paragraph, no table (the default when the "
+                               "output is not a terminal or is narrower than 120 columns)."),
 ) -> None:
     """Every key with its type, value (default unless overridden) and one line of doc."""
     path, overrides = _split_args(list(args or []))
@@ -240,17 +256,32 @@ def config_show(
     except ConfigError as e:
         _fail(str(e))
     if as_yaml:
-        print(cfg.to_yaml(), end="")
+        print(cfg.to_yaml_with_docs(), end="")
+        return
+    resolved = dict(_flat(cfg.to_dict()))
+    rows = [(key, type_name(tp), repr(resolved[key]), doc) for key, tp, _default, doc in all_keys()]
+    if plain or not console.is_terminal or console.width < 120:
+        print(_plain_keys(rows, console.width if console.is_terminal else 100), end="")
         return
     table = Table(show_lines=False)
     table.add_column("key", no_wrap=True)
     table.add_column("type", no_wrap=True)
     table.add_column("value", overflow="fold")
     table.add_column("doc", overflow="fold", ratio=1)
-    resolved = dict(_flat(cfg.to_dict()))
-    for key, tp, _default, doc in all_keys():
-        table.add_row(key, type_name(tp), repr(resolved[key]), doc)
+    for key, tp, value, doc in rows:  # docs hold brackets such as [gsm8k:0.7,mbpp:0.3]: never markup
+        table.add_row(escape(key), escape(tp), escape(value), escape(doc))
     console.print(table)
+
+
+def _plain_keys(rows: list[tuple[str, str, str, str]], width: int) -> str:
+    """`key (type) = value` then the doc, indented and wrapped at `width`: readable piped or narrow."""
+    import textwrap
+
+    out = []
+    for key, tp, value, doc in rows:
+        out.append(f"{key} ({tp}) = {value}\n")
+        out += [f"    {line}\n" for line in textwrap.wrap(doc, max(40, width - 4))]
+    return "".join(out)
 
 
 def _flat(d: dict, prefix: str = ""):

@@ -312,7 +312,7 @@ class CheckpointConfig:
     )
 
 
-FAILURE_KINDS = ("env", "sandbox", "judge", "reward", "parse")
+FAILURE_KINDS = ("env", "sandbox", "judge", "reward", "truncated", "parse")
 
 
 @dataclass
@@ -325,8 +325,15 @@ class FailuresConfig:
     )
     count: list[str] = opt(
         ["env", "sandbox", "judge", "reward"],
-        "Failure kinds that count towards failures.max_rate: env, sandbox, judge, reward (masked) and parse "
-        "(no answer: scored 0, trained on). See docs/runs.md.",
+        "Failure kinds that count towards failures.max_rate: env, sandbox, judge, reward (masked), truncated "
+        "(cut off at rollout.max_new_tokens) and parse (no answer otherwise); the last two are scored 0 and "
+        "trained on. See docs/runs.md.",
+    )
+    nothing_trained: str = opt(
+        "error",
+        "A run in which no step trained anything (every trajectory of every step masked, e.g. a reward function "
+        "that always raises): `error` ends it with a message and exit status 3 before eval_after and final/; "
+        "`ignore` finishes normally.",
     )
 
 
@@ -389,11 +396,35 @@ class Config:
     )
     monitor: MonitorConfig = field(default_factory=MonitorConfig, metadata={"doc": "Metric sinks, samples, alarms."})
 
+    explicit_keys = frozenset()  # type: frozenset[str]  # set by load_config (not a config key)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_yaml_with_docs(self, width: int = 100) -> str:
+        """The resolved config as YAML with every key's doc as a comment above it (`config show
+        --yaml`); loading it back gives the same config."""
+        return "".join(_yaml_lines(self, type(self), "", width))
+
+
+def _yaml_lines(obj: Any, cls: type, indent: str, width: int):
+    import textwrap
+
+    for name, f in _fields(cls).items():
+        doc = f.metadata.get("doc", "")
+        for line in textwrap.wrap(doc, max(40, width - len(indent) - 2)):
+            yield f"{indent}# {line}\n"
+        value = getattr(obj, name)
+        if _is_section(_field_type(cls, name)):
+            yield f"{indent}{name}:\n"
+            yield from _yaml_lines(value, type(value), indent + "  ", width)
+        else:
+            text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+            text = text.removesuffix("...").strip()  # a bare scalar: safe_dump marks the document's end
+            yield f"{indent}{name}: {text}\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,8 +565,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML file (if any), then `key=value` overrides, in that order."""
+    """Defaults, then the YAML file (if any), then `key=value` overrides, in that order.
+    `cfg.explicit_keys` names the keys the file and overrides set (a trainer for which a key means
+    something else can tell a deliberate value from a default: `train.steps` for dpo/sft)."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -551,9 +585,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 set_key(cfg, k, v)
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
+            explicit.add(k)
     for text in overrides:
-        set_key(cfg, *parse_override(text))
+        key, value = parse_override(text)
+        set_key(cfg, key, value)
+        explicit.add(key)
     validate(cfg)
+    cfg.explicit_keys = frozenset(explicit)
     return cfg
 
 
@@ -608,6 +646,7 @@ def validate(cfg: Config) -> None:
         (cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
         (0.0 <= cfg.failures.max_rate <= 1.0, "failures.max_rate must be in [0, 1]"),
         (cfg.failures.max_bad_steps >= 0, "failures.max_bad_steps must be >= 0"),
+        _one_of("failures.nothing_trained", cfg.failures.nothing_trained, ("error", "ignore")),
         (set(cfg.failures.count) <= set(FAILURE_KINDS),
          f"failures.count entries must be among {', '.join(FAILURE_KINDS)}; got {cfg.failures.count}"),
     ]

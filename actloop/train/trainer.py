@@ -33,7 +33,7 @@ from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint
 from actloop.train.evaluate import evaluate
-from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics
+from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
@@ -232,9 +232,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         torch.set_num_threads(cfg.train.threads)
     dist = init_distributed(cfg)  # torchrun: this rank's place; one process: a no-op (docs/distributed.md)
     print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
+    task: LoadedTask = build_task(cfg)  # config, reward functions and data checked before a run directory exists
     run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
     print_fn(f"run directory: {run_dir}")
-    task: LoadedTask = build_task(cfg)
+    for note in task.info.get("notes", []):  # e.g. how many custom rows are held out for evaluation
+        print_fn(note)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
                          attn_implementation=cfg.train.attn_implementation)
     if ckpt is not None:
@@ -370,6 +372,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             failure_log.write(failures)
             for f in failures:
                 totals["failures"][f.kind] = totals["failures"].get(f.kind, 0) + 1
+            if (line := masked_line(step, failures, len(seen), failure_log.path)) is not None:
+                print_fn(line)
+            if upd.get("trained_trajectories", 1):
+                totals["trained_steps"] = totals.get("trained_steps", 0) + 1
             stop_msg = dist.first(guard.check(step, failures, len(seen), run_dir))  # every rank stops together
             totals["step_seconds"].append(t3 - t0)
             last = step
@@ -394,6 +400,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
     if totals["reward_errors"]:
         summary["reward_errors"] = totals["reward_errors"]
+    if (not stop_msg and not requested and last >= start and not totals.get("trained_steps")
+            and cfg.failures.nothing_trained == "error"):
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(totals["failures"].items()))
+        stop_msg = (f"no step trained anything: every trajectory of steps 1-{last} was masked ({kinds}). "
+                    f"Tracebacks are in {run_dir / 'failures.jsonl'}; failures.nothing_trained=ignore finishes anyway.")
     if stop_msg or requested:
         summary["stopped"] = {"step": last, "reason": stop_msg or requested}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
