@@ -304,9 +304,14 @@ class MonitorConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = opt(10, "Write a checkpoint every N steps (0 = only at the end and on an interrupt).")
+    every: int = opt(10, "Write a checkpoint every N steps (0 = none periodic: only at_end and on an interrupt).")
     keep: int = opt(1, "Checkpoints kept in RUN_DIR/checkpoints (the newest); older ones are deleted.")
-    at_end: bool = opt(True, "Checkpoint after the last step, so `resume=RUN_DIR train.steps=N` can extend the run.")
+    at_end: bool = opt(
+        False,
+        "Also checkpoint after the last step (weights + optimizer state: 1.6 GB for the 135M model), so "
+        "`resume=RUN_DIR train.steps=N` can extend a finished run from there; off by default, since final/ "
+        "already holds the trained weights (docs/runs.md).",
+    )
     on_interrupt: bool = opt(
         True, "First Ctrl-C/SIGTERM: finish the step, checkpoint, exit cleanly; a second one aborts at once."
     )

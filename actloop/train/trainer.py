@@ -387,6 +387,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             if ((every and step % every == 0) or stop_msg or requested
                     or (step == cfg.train.steps and cfg.checkpoint.at_end)):
                 save_checkpoint(step)
+                totals["checkpoint_step"] = step
             if stop_msg or requested:
                 break
 
@@ -415,6 +416,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary.pop("stopped", None)
     if start > cfg.train.steps:
         print_fn(f"the run already reached step {cfg.train.steps}; extend it with train.steps=N")
+    if last >= start and totals.get("checkpoint_step") != last and dist.is_main:
+        print_fn(f"no checkpoint of the last step {last} (checkpoint.at_end=false)"
+                 + ("; final/ holds the trained model" if cfg.train.save_final else "")
+                 + "; to extend a run later with resume=, train it with checkpoint.at_end=true")
     if cfg.train.eval_after and task.eval_rows:
         run_eval("eval_after")
     if cfg.train.save_final:
