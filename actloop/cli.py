@@ -40,7 +40,7 @@ USER_ERRORS = (ConfigError, DataError, ModelError, RewardError)
 def say(*objects) -> None:
     """Print library text as it is: messages quote paths, keys and values such as `[gsm8k:0.7]`
     that rich would otherwise read as markup and drop."""
-    console.print(*objects, markup=False, highlight=False)
+    console.print(*objects, markup=False, highlight=False, soft_wrap=True)
 
 
 def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
