@@ -51,7 +51,7 @@ def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {escape(msg)}")
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)  # one line, greppable
     raise typer.Exit(2)
 
 
@@ -73,7 +73,7 @@ def train(
     except USER_ERRORS as e:
         _fail(str(e))
     except RunAborted as e:
-        console.print(f"[bold red]run stopped:[/] {escape(str(e))}")
+        console.print(f"[bold red]run stopped:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(3)
     s = result.summary
     if "eval_before" in s and "eval_after" in s:
