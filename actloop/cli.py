@@ -151,7 +151,7 @@ def eval_cmd(
         print(json.dumps({k: v for k, v in res.items() if k not in ("samples", "problems", "load")} | {"file": str(out)}))
         return
     console.print(_eval_table(res))
-    console.print(f"results: {out}")
+    say(f"results: {out}")
 
 
 def _is_mixture(task: str) -> bool:
@@ -167,7 +167,7 @@ def _eval_table(res: dict) -> Table:
     title = f"{res['model']} on {res['task']} ({res['split']}, {res['n']} problems"
     title += f", {res['samples_per_problem']} samples each at T={res['temperature']:g})" if res["samples_per_problem"] > 1 \
         else ", greedy)"
-    table = Table(title=title)
+    table = Table(title=escape(title))  # model paths and task names are text, not markup
     table.add_column("source")
     metric_names = ["success"] + [f"pass@{k}" for k in res.get("pass@k", {})]
     for m in metric_names + ["reward"]:
@@ -175,7 +175,7 @@ def _eval_table(res: dict) -> Table:
 
     def row(name: str, d: dict) -> None:
         cells = [f"{d['success']:.1%}"] + [f"{v:.1%}" for v in d.get("pass@k", {}).values()] + [f"{d['reward']:.3f}"]
-        table.add_row(f"{name} (n={d['n']})", *cells)
+        table.add_row(escape(f"{name} (n={d['n']})"), *cells)
 
     for src, d in res.get("per_source", {}).items():
         row(src, d)
@@ -195,7 +195,7 @@ def report(
     if not run_dir.is_dir():
         _fail(f"{run_dir} is not a directory")
     page = build_report(run_dir, out)
-    console.print(f"report: {page}")
+    say(f"report: {page}")
 
 
 @app.command("tasks")
