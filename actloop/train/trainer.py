@@ -263,7 +263,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps, "data": task.info}
     # what the summary is computed from, kept across a resume
     totals: dict[str, Any] = {"step_seconds": [], "gen_tokens": 0, "gen_seconds": 0.0, "failures": {},
-                              "reward_errors": 0, "checkpoint_seconds": 0.0}
+                              "reward_errors": 0, "checkpoint_seconds": 0.0, "unmasked_steps": 0}
     guard = FailureGuard(cfg.failures)
     start, state = 1, None
     if ckpt is not None:
@@ -374,8 +374,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 totals["failures"][f.kind] = totals["failures"].get(f.kind, 0) + 1
             if (line := masked_line(step, failures, len(seen), failure_log.path)) is not None:
                 print_fn(line)
-            if upd.get("trained_trajectories", 1):
-                totals["trained_steps"] = totals.get("trained_steps", 0) + 1
+            if any(not s.masked for s in scored):  # a step that had something to train on (ties included)
+                totals["unmasked_steps"] = totals.get("unmasked_steps", 1) + 1  # missing: an older checkpoint
             stop_msg = dist.first(guard.check(step, failures, len(seen), run_dir))  # every rank stops together
             totals["step_seconds"].append(t3 - t0)
             last = step
@@ -401,7 +401,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
     if totals["reward_errors"]:
         summary["reward_errors"] = totals["reward_errors"]
-    if (not stop_msg and not requested and last >= start and not totals.get("trained_steps")
+    if (not stop_msg and not requested and last >= start and not totals.get("unmasked_steps", 1)
             and cfg.failures.nothing_trained == "error"):
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(totals["failures"].items()))
         stop_msg = (f"no step trained anything: every trajectory of steps 1-{last} was masked ({kinds}). "
