@@ -104,7 +104,7 @@ def test_quoted_output_is_what_the_program_prints(user_dir, cmd, quoted):
 
 def check_train(args: list[str]) -> None:
     """A train command up to the point where training starts: config, reward functions, data."""
-    from actloop.data.tasks import build_task
+    from actloop.tasks import build_task
     from actloop.train.checkpoint import resume_config
 
     path, overrides = _split_args(args)
