@@ -408,7 +408,8 @@ class Config:
     )
     monitor: MonitorConfig = field(default_factory=MonitorConfig, metadata={"doc": "Metric sinks, samples, alarms."})
 
-    explicit_keys = frozenset()  # type: frozenset[str]  # set by load_config (not a config key)
+    # not a field (no annotation): the keys load_config saw set, see there
+    explicit_keys = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -553,6 +554,13 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
         obj = getattr(obj, part)
 
 
+def _get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -578,9 +586,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file (if any), then `key=value` overrides, in that order.
-    `cfg.explicit_keys` names the keys the file and overrides set (a trainer for which a key means
-    something else can tell a deliberate value from a default: `train.steps` for dpo/sft)."""
-    cfg = Config()
+    `cfg.explicit_keys` names the keys the overrides set and those the file sets to a value other
+    than the default (a file written by `config show --yaml` sets every key), so that a trainer for
+    which a key means something else can tell a deliberate value from a default (`train.steps` for
+    dpo/sft)."""
+    cfg, defaults = Config(), Config()
     explicit: set[str] = set()
     if path is not None:
         path = Path(path)
@@ -597,7 +607,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 set_key(cfg, k, v)
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
-            explicit.add(k)
+            if _get(cfg, k) != _get(defaults, k):
+                explicit.add(k)
     for text in overrides:
         key, value = parse_override(text)
         set_key(cfg, key, value)

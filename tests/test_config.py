@@ -101,6 +101,7 @@ def test_config_show_yaml_has_every_doc_as_a_comment_and_loads_back(tmp_path):
 
 def test_explicit_keys_are_the_ones_the_file_and_overrides_set(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("train:\n  steps: 20\n")
-    assert load_config(p, ["dpo.epochs=2"]).explicit_keys == {"train.steps", "dpo.epochs"}
+    p.write_text("train:\n  steps: 7\n  lr: 2.0e-5\n")  # lr at its default, as `config show --yaml` writes it
+    assert load_config(p, ["dpo.epochs=2", "train.group_size=8"]).explicit_keys == {
+        "train.steps", "dpo.epochs", "train.group_size"}
     assert load_config(None, []).explicit_keys == set()

@@ -401,7 +401,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
     if totals["reward_errors"]:
         summary["reward_errors"] = totals["reward_errors"]
-    if (not stop_msg and not requested and last >= start and not totals.get("unmasked_steps", 1)
+    trained_somewhere = dist.first(True if totals.get("unmasked_steps", 1) else None)  # any rank, any step
+    if (not stop_msg and not requested and last >= start and not trained_somewhere
             and cfg.failures.nothing_trained == "error"):
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(totals["failures"].items()))
         stop_msg = (f"no step trained anything: every trajectory of steps 1-{last} was masked ({kinds}). "
@@ -416,7 +417,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary.pop("stopped", None)
     if start > cfg.train.steps:
         print_fn(f"the run already reached step {cfg.train.steps}; extend it with train.steps=N")
-    if last >= start and totals.get("checkpoint_step") != last and dist.is_main:
+    if last >= start and totals.get("checkpoint_step") != last and not dist.active:  # torchrun: none written yet
         print_fn(f"no checkpoint of the last step {last} (checkpoint.at_end=false)"
                  + ("; final/ holds the trained model" if cfg.train.save_final else "")
                  + "; to extend a run later with resume=, train it with checkpoint.at_end=true")
