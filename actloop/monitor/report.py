@@ -160,7 +160,8 @@ def _plot_length(ax, d: RunData) -> bool:
 def _plot_flags(ax, d: RunData) -> bool:
     drawn = False
     for k, label in (("hack_flag_rate", "hack-flag rate"), ("flag_rate", "any flag"),
-                     ("malformed_call_rate", "malformed tool calls"), ("failures/any", "trajectories with a recorded failure (any kind)"),
+                     ("malformed_call_rate", "malformed tool calls"),
+                     ("failures/any", "trajectories with a recorded failure (any kind)"),
                      ("failures/rate", "failure rate (failures.count kinds)"),
                      ("zero_variance_groups", "zero-variance groups")):
         drawn |= _line(ax, d.metrics, k, label)

@@ -61,7 +61,8 @@ def load_object(spec: str, what: str = "object", noun: str = "NAME") -> Any:
     except RewardError:
         raise
     except ModuleNotFoundError as e:
-        if not target.endswith(".py") and e.name and target.startswith(e.name):  # the module itself, not an import in it
+        # the module itself was not found (not a module it imports)
+        if not target.endswith(".py") and e.name and target.startswith(e.name):
             raise RewardError(f"cannot import `{target}` for {what} `{spec}`: {e} (looked in the installed "
                               f"packages and in the current directory {Path.cwd()}; a file elsewhere is written "
                               f"`path/to/{target.replace('.', '/')}.py:{name}`)") from e

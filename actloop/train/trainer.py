@@ -197,7 +197,8 @@ def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint |
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
         raise ConfigError(f"cannot resume {run_dir}: no checkpoint in {run_dir / checkpoint.CHECKPOINTS} (one is "
-                          "written every checkpoint.every steps, on Ctrl-C, and after the last step with checkpoint.at_end=true)")
+                          "written every checkpoint.every steps, on Ctrl-C, and after the last step with "
+                          "checkpoint.at_end=true)")
     fixed, allowed = checkpoint.config_changes(saved, cfg)
     if fixed:
         raise ConfigError(f"cannot resume {run_dir} with a changed " + "; ".join(fixed)
