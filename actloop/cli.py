@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from actloop.config import ConfigError, all_keys, load_config, type_name
@@ -36,6 +37,12 @@ console = Console()
 USER_ERRORS = (ConfigError, DataError, ModelError, RewardError)
 
 
+def say(*objects) -> None:
+    """Print library text as it is: messages quote paths, keys and values such as `[gsm8k:0.7]`
+    that rich would otherwise read as markup and drop."""
+    console.print(*objects, markup=False, highlight=False, soft_wrap=True)
+
+
 def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
     """`[CONFIG.yaml] [key=value ...]` -> (config path or None, overrides)."""
     if args and "=" not in args[0]:
@@ -44,7 +51,7 @@ def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)  # one line, greppable
     raise typer.Exit(2)
 
 
@@ -66,18 +73,24 @@ def train(
     except ConfigError as e:
         _fail(str(e))
     try:
-        result = run_train(cfg, progress=not no_progress, print_fn=console.print)
+        result = run_train(cfg, progress=not no_progress, print_fn=say)
     except USER_ERRORS as e:
         _fail(str(e))
     except RunAborted as e:
-        console.print(f"[bold red]run stopped:[/] {e}")
+        console.print(f"[bold red]run stopped:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(3)
     s = result.summary
     if "eval_before" in s and "eval_after" in s:
         b, a = s["eval_before"]["success"], s["eval_after"]["success"]
         console.print(f"[bold]held-out greedy success: {b:.1%} -> {a:.1%} ({(a - b) * 100:+.1f} points)[/]")
-    console.print(f"seconds per step: {s['seconds_per_step']}, generated tokens/s: {s['generated_tokens_per_s']}")
-    console.print(f"run directory: {result.run_dir}")
+    say(", ".join(f"{label}: {s[key]}" for key, label in RUN_FIGURES if key in s))  # what this algorithm measured
+    say(f"run directory: {result.run_dir}")
+
+
+# summary keys printed at the end of `actloop train`, where the run has them: online runs generate,
+# offline trainers (dpo, sft) read their data and report what they trained on instead
+RUN_FIGURES = (("steps", "steps"), ("seconds_per_step", "seconds per step"),
+               ("generated_tokens_per_s", "generated tokens/s"), ("trained_tokens_per_s", "trained tokens/s"))
 
 
 @app.command("eval")
@@ -142,7 +155,7 @@ def eval_cmd(
         print(json.dumps({k: v for k, v in res.items() if k not in ("samples", "problems", "load")} | {"file": str(out)}))
         return
     console.print(_eval_table(res))
-    console.print(f"results: {out}")
+    say(f"results: {out}")
 
 
 def _is_mixture(task: str) -> bool:
@@ -158,7 +171,7 @@ def _eval_table(res: dict) -> Table:
     title = f"{res['model']} on {res['task']} ({res['split']}, {res['n']} problems"
     title += f", {res['samples_per_problem']} samples each at T={res['temperature']:g})" if res["samples_per_problem"] > 1 \
         else ", greedy)"
-    table = Table(title=title)
+    table = Table(title=escape(title))  # model paths and task names are text, not markup
     table.add_column("source")
     metric_names = ["success"] + [f"pass@{k}" for k in res.get("pass@k", {})]
     for m in metric_names + ["reward"]:
@@ -166,7 +179,7 @@ def _eval_table(res: dict) -> Table:
 
     def row(name: str, d: dict) -> None:
         cells = [f"{d['success']:.1%}"] + [f"{v:.1%}" for v in d.get("pass@k", {}).values()] + [f"{d['reward']:.3f}"]
-        table.add_row(f"{name} (n={d['n']})", *cells)
+        table.add_row(escape(f"{name} (n={d['n']})"), *cells)
 
     for src, d in res.get("per_source", {}).items():
         row(src, d)
@@ -186,7 +199,7 @@ def report(
     if not run_dir.is_dir():
         _fail(f"{run_dir} is not a directory")
     page = build_report(run_dir, out)
-    console.print(f"report: {page}")
+    say(f"report: {page}")
 
 
 @app.command("tasks")
@@ -235,7 +248,10 @@ def grade(
 @config_app.command("show")
 def config_show(
     args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.yaml] [key=value ...] to show resolved values."),
-    as_yaml: bool = typer.Option(False, "--yaml", help="Print the resolved config as YAML."),
+    as_yaml: bool = typer.Option(False, "--yaml", help="Print the resolved config as YAML, each key's doc as a "
+                                 "comment (loadable as a config file)."),
+    plain: bool = typer.Option(False, "--plain", help="One key per paragraph, no table (the default when the "
+                               "output is not a terminal or is narrower than 120 columns)."),
 ) -> None:
     """Every key with its type, value (default unless overridden) and one line of doc."""
     path, overrides = _split_args(list(args or []))
@@ -244,17 +260,32 @@ def config_show(
     except ConfigError as e:
         _fail(str(e))
     if as_yaml:
-        print(cfg.to_yaml(), end="")
+        print(cfg.to_yaml_with_docs(), end="")
+        return
+    resolved = dict(_flat(cfg.to_dict()))
+    rows = [(key, type_name(tp), repr(resolved[key]), doc) for key, tp, _default, doc in all_keys()]
+    if plain or not console.is_terminal or console.width < 120:
+        print(_plain_keys(rows, console.width if console.is_terminal else 100), end="")
         return
     table = Table(show_lines=False)
     table.add_column("key", no_wrap=True)
     table.add_column("type", no_wrap=True)
     table.add_column("value", overflow="fold")
     table.add_column("doc", overflow="fold", ratio=1)
-    resolved = dict(_flat(cfg.to_dict()))
-    for key, tp, _default, doc in all_keys():
-        table.add_row(key, type_name(tp), repr(resolved[key]), doc)
+    for key, tp, value, doc in rows:  # docs hold brackets such as [gsm8k:0.7,mbpp:0.3]: never markup
+        table.add_row(escape(key), escape(tp), escape(value), escape(doc))
     console.print(table)
+
+
+def _plain_keys(rows: list[tuple[str, str, str, str]], width: int) -> str:
+    """`key (type) = value` then the doc, indented and wrapped at `width`: readable piped or narrow."""
+    import textwrap
+
+    out = []
+    for key, tp, value, doc in rows:
+        out.append(f"{key} ({tp}) = {value}\n")
+        out += [f"    {line}\n" for line in textwrap.wrap(doc, max(40, width - 4))]
+    return "".join(out)
 
 
 def _flat(d: dict, prefix: str = ""):

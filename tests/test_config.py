@@ -54,3 +54,54 @@ def test_config_show_lists_every_key():
 def test_cli_unknown_key_exits_2_with_hint():
     res = CliRunner().invoke(app, ["train", "train.setps=3"], env={"COLUMNS": "200"})
     assert res.exit_code == 2 and "train.steps" in res.output
+
+
+def test_config_show_piped_is_one_readable_paragraph_per_key():
+    """Piped (CliRunner is not a terminal): plain text, no table squeezed into 80 columns (it
+    wrapped the doc column to ~10 characters: 1,334 lines), and no text eaten as rich markup."""
+    res = CliRunner().invoke(app, ["config", "show"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    keys = [k for k, *_ in all_keys()]
+    assert len(lines) < 4 * len(keys) and max(len(ln) for ln in lines if ln.startswith("    ")) <= 100  # docs wrap at 100
+    assert "data.mix (list[str]) = []" in lines
+    assert "e.g. [gsm8k:0.7,mbpp:0.3]" in res.output
+    assert "train.lr (float) = 1e-05" in CliRunner().invoke(app, ["config", "show", "train.lr=1e-5"]).output
+
+
+def test_config_show_table_in_a_wide_terminal_keeps_brackets(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import actloop.cli as cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, force_terminal=True, width=250, color_system=None))
+    res = CliRunner().invoke(app, ["config", "show"])
+    assert res.exit_code == 0, res.output
+    text = out.getvalue()
+    assert "┃ key" in text and "[gsm8k:0.7,mbpp:0.3]" in text  # a table, brackets intact
+    plain = CliRunner().invoke(app, ["config", "show", "--plain"])  # asked for: plain even in a wide terminal
+    assert "data.mix (list[str]) = []" in plain.output.splitlines()
+
+
+def test_config_show_yaml_has_every_doc_as_a_comment_and_loads_back(tmp_path):
+    res = CliRunner().invoke(app, ["config", "show", "--yaml", "train.lr=1e-5", "data.mix=[gsm8k:0.7,mbpp:0.3]"])
+    assert res.exit_code == 0, res.output
+    text = res.output
+    assert "# Weighted mixture, `name:weight` entries, e.g. [gsm8k:0.7,mbpp:0.3]" in text
+    assert "  lr: 1.0e-05\n" in text and "  mix: ['gsm8k:0.7', 'mbpp:0.3']\n" in text
+    comments = sum(line.lstrip().startswith("# ") for line in text.splitlines())
+    assert comments >= len(all_keys())  # at least one comment line per key
+    p = tmp_path / "resolved.yaml"
+    p.write_text(text)
+    assert load_config(p).to_dict() == load_config(None, ["train.lr=1e-5", "data.mix=[gsm8k:0.7,mbpp:0.3]"]).to_dict()
+
+
+def test_explicit_keys_are_the_ones_the_file_and_overrides_set(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  steps: 7\n  lr: 2.0e-5\n")  # lr at its default, as `config show --yaml` writes it
+    assert load_config(p, ["dpo.epochs=2", "train.group_size=8"]).explicit_keys == {
+        "train.steps", "dpo.epochs", "train.group_size"}
+    assert load_config(None, []).explicit_keys == set()

@@ -18,6 +18,15 @@ class DataError(ValueError):
     """A dataset row or file that cannot be used; the message gives file and line."""
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """A JSON line's error with the column Python's parser gives (1-based, in characters). The
+    files are read with `newline="\\n"`: a raw carriage return inside a string stays in its line
+    (reported here at its own column) instead of splitting the row into two phantom lines."""
+    msg = e.msg.removesuffix(" at")  # "Invalid control character at" -> "... character"
+    hint = " (escape it: \\t, \\r or \\n inside a string)" if msg == "Invalid control character" else ""
+    return f"not valid JSON ({msg} at column {e.colno}){hint}"
+
+
 def validate_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
@@ -41,15 +50,15 @@ def read_jsonl_objects(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
     rows = []
-    with path.open() as f:
+    with path.open(encoding="utf-8-sig", newline="\n") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # a cut-off row: "Unterminated string", as Python says
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{where}: {json_error(e)}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
             rows.append((where, row))

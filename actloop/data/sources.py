@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from actloop.data.jsonl import DataError, validate_row
+from actloop.data.jsonl import DataError, json_error, validate_row
 from actloop.rewards.base import RewardError
 from actloop.rewards.code import tests_from_row
 from actloop.rewards.math import gold_value
@@ -99,14 +99,14 @@ def iter_records(spec: str | Path, split: str = "train") -> Iterator[tuple[str, 
         yield from _iter_parquet(path)
         return
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8-sig", newline="\n") as f:  # lines as the file has them (json_error)
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                yield f"{path}:{lineno}", json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", RowError(None, f"not valid JSON ({e.msg} at column {e.colno})")
+                yield f"{path}:{lineno}", RowError(None, json_error(e))
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:

@@ -160,7 +160,9 @@ def _plot_length(ax, d: RunData) -> bool:
 def _plot_flags(ax, d: RunData) -> bool:
     drawn = False
     for k, label in (("hack_flag_rate", "hack-flag rate"), ("flag_rate", "any flag"),
-                     ("malformed_call_rate", "malformed tool calls"), ("failures/rate", "failed trajectories"),
+                     ("malformed_call_rate", "malformed tool calls"),
+                     ("failures/any", "trajectories with a recorded failure (any kind)"),
+                     ("failures/rate", "failure rate (failures.count kinds)"),
                      ("zero_variance_groups", "zero-variance groups")):
         drawn |= _line(ax, d.metrics, k, label)
     _alarm_lines(ax, d.alarms, ("hack_flag_rise", "zero_variance_groups"))
@@ -212,6 +214,7 @@ def make_plots(d: RunData, out_dir: Path) -> tuple[dict[str, Path], list[str]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     d = RunData(**{**d.__dict__, "metrics": [drop_idle_updates(r) for r in d.metrics]})
@@ -225,6 +228,7 @@ def make_plots(d: RunData, out_dir: Path) -> tuple[dict[str, Path], list[str]]:
                 continue
             ax.set_title(title)
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no 1.2, 1.4 ticks
             ax.grid(alpha=0.3)
             handles, _ = ax.get_legend_handles_labels()
             if handles:
@@ -307,6 +311,8 @@ def _summary_rows(d: RunData) -> list[tuple[str, str]]:
     if last.get("total/step_s"):
         parts = ", ".join(f"{p} {v / last['total/step_s']:.0%}" for p, v in fr.items() if isinstance(v, (int, float)))
         rows.append(("time split (whole run)", parts))
+    if s.get("failures"):  # every recorded kind, masked or trained on (failures.jsonl has each one)
+        rows.append(("recorded failures", ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items()))))
     rows.append(("alarms", str(len(d.alarms))))
     if d.skipped_lines:
         rows.append(("unreadable JSONL lines skipped", str(d.skipped_lines)))

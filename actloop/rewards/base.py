@@ -32,7 +32,8 @@ class RewardError(RuntimeError):
 
 
 def load_object(spec: str, what: str = "object", noun: str = "NAME") -> Any:
-    """`package.module:NAME` or `path/to/file.py:NAME` -> that module's attribute `NAME`.
+    """`package.module:NAME` (installed, or a module in the current directory) or
+    `path/to/file.py:NAME` -> that module's attribute `NAME`.
 
     A file is imported once per path and registered in `sys.modules` (dataclasses and pickling
     need their module there); RewardError says what went wrong."""
@@ -56,14 +57,35 @@ def load_object(spec: str, what: str = "object", noun: str = "NAME") -> Any:
                     del sys.modules[mod_name]
                     raise
         else:
-            module = importlib.import_module(target)
+            module = _import_from_cwd_too(target)
     except RewardError:
         raise
+    except ModuleNotFoundError as e:
+        # the module itself was not found (not a module it imports)
+        if not target.endswith(".py") and e.name and target.startswith(e.name):
+            raise RewardError(f"cannot import `{target}` for {what} `{spec}`: {e} (looked in the installed "
+                              f"packages and in the current directory {Path.cwd()}; a file elsewhere is written "
+                              f"`path/to/{target.replace('.', '/')}.py:{name}`)") from e
+        raise RewardError(f"cannot import `{target}` for {what} `{spec}`: {type(e).__name__}: {e}") from e
     except Exception as e:
         raise RewardError(f"cannot import `{target}` for {what} `{spec}`: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         raise RewardError(f"`{target}` has no {noun.lower()} `{name}`")
     return getattr(module, name)
+
+
+def _import_from_cwd_too(target: str):
+    """`importlib.import_module`, with the current directory searched last: `my_rewards:f` finds
+    ./my_rewards.py under the `actloop` script as it does under `python -m actloop`, and never
+    shadows an installed package of the same name."""
+    cwd = str(Path.cwd())
+    if cwd in sys.path or "" in sys.path:
+        return importlib.import_module(target)
+    sys.path.append(cwd)
+    try:
+        return importlib.import_module(target)
+    finally:
+        sys.path.remove(cwd)
 
 
 def load_reward_func(spec: str) -> RewardFunc:

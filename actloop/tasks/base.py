@@ -98,6 +98,7 @@ class LoadedTask:
     rubric: Rubric
     train_rows: list[Row]
     eval_rows: list[Row]
-    info: dict[str, Any] = field(default_factory=dict)  # load reports: rows read and skipped per source
+    # load reports (rows read, skipped); notes: lines the trainers print at the start
+    info: dict[str, Any] = field(default_factory=dict)
     rollout: Rollout | None = None  # the task's own episode runner; None = the standard loop
     definition: Task | None = None  # None for custom rows and mixtures

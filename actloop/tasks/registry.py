@@ -120,17 +120,27 @@ def _file_rows(spec: str, cfg: Config, validate=chat_row) -> tuple[list[Row], di
     return rows, report.to_dict()
 
 
-def _path_rows(cfg: Config, validate=chat_row) -> tuple[list[Row], list[Row], list[dict[str, Any]]]:
-    """data.path's rows, held out by data.eval_path or a seeded fifth of the file."""
+def hold_out(rows: list[Row], n_eval: int, seed: int | str, source: str,
+             hint: str = "set data.eval_path to choose") -> tuple[list[Row], list[Row], str]:
+    """(held-out rows, training rows, the line saying so): a seeded fifth of custom rows at most,
+    capped at `n_eval`, when no data.eval_path names held-out rows."""
+    rows = rows[:]
+    random.Random(seed).shuffle(rows)
+    k = min(n_eval, len(rows) // 5)
+    note = (f"{source}: holding out {k} of {len(rows)} rows for evaluation (a seeded fifth at most, capped at "
+            f"data.eval_size); {hint}")
+    return rows[:k], rows[k:], note
+
+
+def _path_rows(cfg: Config, validate=chat_row) -> tuple[list[Row], list[Row], list[dict[str, Any]], list[str]]:
+    """data.path's rows, held out by data.eval_path or a seeded fifth of the file (and the note
+    that says so, printed at the start of a run)."""
     rows, info = _file_rows(cfg.data.path, cfg, validate)
     if cfg.data.eval_path:
         eval_rows, eval_info = _file_rows(cfg.data.eval_path, cfg, validate)
-        return rows, eval_rows, [info, eval_info]
-    rng = random.Random(cfg.seed)
-    rows = rows[:]
-    rng.shuffle(rows)
-    n_eval = min(cfg.data.eval_size, len(rows) // 5)
-    return rows[n_eval:], rows[:n_eval], [info]
+        return rows, eval_rows[: cfg.data.eval_size], [info, eval_info], []
+    held, train, note = hold_out(rows, cfg.data.eval_size, cfg.seed, cfg.data.path)
+    return train, held, [info], [note]
 
 
 def _use_configured_sandbox(cfg: Config) -> None:
@@ -155,17 +165,19 @@ def build_task(cfg: Config) -> LoadedTask:
     if cfg.data.path and cfg.data.task == DEFAULT_TASK:
         if not user_terms:
             raise ConfigError("data.path needs reward.funcs: name at least one reward function")
-        train, held, info = _path_rows(cfg)
+        train, held, info, notes = _path_rows(cfg)
         rubric = Rubric(user_terms, completion=cfg.reward.completion, success_threshold=cfg.reward.success_threshold)
-        return LoadedTask("custom", ChatEnv, rubric, train, held, info={"load": info})
+        return LoadedTask("custom", ChatEnv, rubric, train, held, info={"load": info, "notes": notes})
     task = resolve(cfg.data.task, cfg)
+    notes: list[str] = []
     if cfg.data.path:  # the user's rows, the task's environment and rubric
-        train, held, info = _path_rows(cfg, validate=None)
+        train, held, info, notes = _path_rows(cfg, validate=None)
     else:
         train, held, info = task_rows(task, cfg, cfg.data.eval_size)
     return LoadedTask(task.name, task.env, _configured(task.rubric(cfg.reward.completion, user_terms), cfg),
                       tag(train, task.name),
-                      tag(held, task.name), info={"load": info}, rollout=task.rollout, definition=task)
+                      tag(held, task.name), info={"load": info, "notes": notes}, rollout=task.rollout,
+                      definition=task)
 
 
 def with_differential(rubric: Rubric, settings: DiffSettings | None = None, **changes: Any) -> Rubric:
@@ -192,6 +204,7 @@ def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
     held: list[Row] = []
     info: list[dict[str, Any]] = []
     named: dict[str, float] = {}
+    notes: list[str] = []
     eval_counts = allocate(cfg.data.eval_size, weights, min_each=1 if cfg.data.eval_size > 0 else 0)
     for spec, w in weights.items():
         n_eval = eval_counts[spec]
@@ -210,10 +223,9 @@ def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
             rows, ri = _file_rows(spec, cfg)
             name = spec if is_hub_id(spec) else Path(spec).name.split(".")[0]
             info.append(ri)
-            rows = rows[:]
-            random.Random(f"mix-holdout-{cfg.seed}-{name}").shuffle(rows)
-            k = min(n_eval, len(rows) // 5)
-            h, train = rows[:k], rows[k:]
+            h, train, note = hold_out(rows, n_eval, f"mix-holdout-{cfg.seed}-{name}", spec,
+                                      "in a data.mix, data.eval_size is shared out by weight")
+            notes.append(note)
             envs[name] = ChatEnv
             rubrics[name] = Rubric(list(user_terms), completion=cfg.reward.completion,
                                    success_threshold=cfg.reward.success_threshold)
@@ -224,7 +236,7 @@ def _build_mix(cfg: Config, user_terms: list[RewardTerm]) -> LoadedTask:
     train_rows = mix_rows(pools, named, cfg.data.train_size, cfg.seed) if cfg.data.train_size > 0 else []
     rubric = MixedRubric(terms=[], completion=cfg.reward.completion, parts=rubrics)
     return LoadedTask("mix", functools.partial(MixedEnv, envs), rubric, train_rows, held,
-                      info={"load": info, "mix": named})
+                      info={"load": info, "mix": named, "notes": notes})
 
 
 # ---------------------------------------------------------------------------------- grading

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -37,6 +38,14 @@ def eval_task(cfg: Config) -> LoadedTask:
     return build_task(dataclasses.replace(cfg, data=data))
 
 
+def describe_eval(cfg: Config, task: LoadedTask) -> str:
+    """What an offline run's held-out evaluation measures, said at the start."""
+    if cfg.data.eval_path:
+        return f"{len(task.eval_rows)} rows of data.eval_path {cfg.data.eval_path} (scored by reward.funcs)"
+    return (f"{len(task.eval_rows)} held-out problems of data.task={task.name} (data.path holds the training data; "
+            "set data.eval_path to evaluate on your own rows)")
+
+
 def seed_everything(cfg: Config) -> None:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -50,9 +59,13 @@ class Run:
     def __init__(self, cfg: Config, print_fn=print, need_reference: bool = False, task: LoadedTask | None = None):
         seed_everything(cfg)
         self.cfg, self.print = cfg, print_fn
+        self.task: LoadedTask = task if task is not None else eval_task(cfg)  # checked before the run directory exists
         self.run_dir: Path = make_run_dir(cfg)
         print_fn(f"run directory: {self.run_dir}")
-        self.task: LoadedTask = task if task is not None else eval_task(cfg)
+        for note in self.task.info.get("notes", []):
+            print_fn(note)
+        if task is None and (cfg.train.eval_before or cfg.train.eval_after) and self.task.eval_rows:
+            print_fn(f"evaluating on {describe_eval(cfg, self.task)}")
         self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference,
                                           attn_implementation=cfg.train.attn_implementation)
         self.renderer = Renderer(self.models.tokenizer)
@@ -62,6 +75,7 @@ class Run:
         self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
         self.summary: dict[str, Any] = {"task": self.task.name, "model": cfg.model, "algo": cfg.algo}
         self.step_seconds: list[float] = []
+        self.trained_tokens = 0  # loss tokens of the offline trainers' batches (their throughput figure)
 
     def optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
         t = self.cfg.train
@@ -91,12 +105,14 @@ class Run:
     def log(self, record: dict[str, Any], seconds: float) -> None:
         self.sink.log(record)
         self.step_seconds.append(seconds)
+        self.trained_tokens += int(record.get("tokens", 0))
 
     def finish(self) -> RunResult:
         self.sink.close()
         self.summary["steps"] = len(self.step_seconds)
         self.summary["seconds_per_step"] = round(mean(self.step_seconds), 2)
-        self.summary.setdefault("generated_tokens_per_s", 0.0)
+        if self.trained_tokens:  # offline: no generation to report, the data trained on instead
+            self.summary["trained_tokens_per_s"] = round(self.trained_tokens / max(sum(self.step_seconds), 1e-9), 1)
         self.evaluate("eval_after")
         if self.cfg.train.save_final:
             final = self.run_dir / "final"
@@ -115,6 +131,35 @@ def save_full_model(models: Models, out: Path) -> None:
         models.policy = policy
     policy.save_pretrained(out)
     models.tokenizer.save_pretrained(out)
+
+
+def offline_schedule(cfg: Config, n: int, batch_size: int, epochs: int, what: str, epochs_key: str,
+                     print_fn=print) -> list[tuple[int, int, list[int]]]:
+    """The (step, epoch, item indices) of an offline run over `n` items, said at the start.
+
+    By default `epochs` shuffled passes in batches of `batch_size`. When `train.steps` was set
+    (file or override) and the items come from `data.path`, exactly that many steps: passes repeat
+    as needed (the last one cut short), so train.steps caps or extends the run as it does for GRPO."""
+    bs = max(1, batch_size)
+    per_epoch = math.ceil(n / bs)
+    honour = bool(cfg.data.path) and "train.steps" in cfg.explicit_keys
+    total = cfg.train.steps if honour else per_epoch * epochs
+    if honour:
+        print_fn(f"{cfg.algo}: train.steps={total} steps of {bs} over {n} {what} ({total / max(per_epoch, 1):.1f} "
+                 f"passes; {epochs_key} is not used when train.steps is set)")
+    else:
+        print_fn(f"{cfg.algo}: {total} steps = {epochs_key}={epochs} x {per_epoch} batches of {bs} over {n} {what}"
+                 + ("; set train.steps to choose the number of steps" if cfg.data.path else ""))
+    rng, out, epoch = random.Random(cfg.seed), [], 0
+    while n and len(out) < total:
+        epoch += 1
+        order = list(range(n))
+        rng.shuffle(order)
+        for b in range(per_epoch):
+            if len(out) == total:
+                break
+            out.append((len(out) + 1, epoch, order[b * bs : (b + 1) * bs]))
+    return out
 
 
 def progress_bar(total: int, enabled: bool, label: str = "step"):

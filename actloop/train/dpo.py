@@ -25,8 +25,6 @@ own distribution), whatever `rollout.temperature` sampled the pairs.
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 import torch
 
@@ -38,9 +36,10 @@ from actloop.monitor.metrics import mean
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.tasks import build_task
-from actloop.train.common import Run, Timer, progress_bar
+from actloop.train.common import Run, Timer, offline_schedule, progress_bar
 from actloop.train.logprobs import token_logprobs
-from actloop.train.pairs import Pair, Sequence, load_preference_pairs, messages_json
+from actloop.train.pairs import (Pair, Sequence, check_rows, load_preference_pairs, messages_json,
+                                 parse_preference_row)
 from actloop.train.trainer import PromptSampler, RunResult, step_metrics
 from actloop.types import Scored
 
@@ -122,6 +121,7 @@ def dpo_step(cfg: Config, run: Run, optimizer, scheduler, pairs: list[Pair],
     m["loss"] = m.pop("dpo_loss")
     m["kl"] = _kl(all_pc + all_pr, [r[0] for r in refs] + [r[1] for r in refs], cfg.kl.estimator)
     m["grad_norm"] = grad_norm
+    m["tokens"] = sum(p.chosen.num_loss_tokens + p.rejected.num_loss_tokens for p in pairs)  # scored this step
     return m
 
 
@@ -184,6 +184,8 @@ def train_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
 
 
 def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
+    if cfg.data.path:
+        check_rows(cfg.data.path, parse_preference_row)  # bad data fails before a run directory exists
     run = Run(cfg, print_fn)
     run.evaluate("eval_before")
     if cfg.data.path:
@@ -196,25 +198,15 @@ def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> Run
     refs = reference_logps(run.models.policy, pairs, cfg.train.precision, cfg.train.micro_batch_size)
     run.summary["reference_seconds"] = round(time.time() - t0, 2)
     optimizer, scheduler = run.optimizer()
-    bs = max(1, cfg.dpo.batch_size)
-    per_epoch = math.ceil(len(pairs) / bs)
-    total = per_epoch * cfg.dpo.epochs
-    rng = random.Random(cfg.seed)
-    step = 0
-    with progress_bar(total, progress) as bar:
-        tid = bar.add_task("dpo", total=total, loss=0.0)
-        for epoch in range(1, cfg.dpo.epochs + 1):
-            order = list(range(len(pairs)))
-            rng.shuffle(order)
-            for b in range(per_epoch):
-                idx = order[b * bs : (b + 1) * bs]
-                timer = Timer()
-                step += 1
-                m = dpo_step(cfg, run, optimizer, scheduler, [pairs[i] for i in idx], [refs[i] for i in idx])
-                record = {"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0],
-                          "step_s": round(timer(), 3)}
-                run.log(record, timer())
-                bar.update(tid, advance=1, loss=m["loss"])
+    plan = offline_schedule(cfg, len(pairs), cfg.dpo.batch_size, cfg.dpo.epochs, "pairs", "dpo.epochs", print_fn)
+    with progress_bar(len(plan), progress) as bar:
+        tid = bar.add_task("dpo", total=len(plan), loss=0.0)
+        for step, epoch, idx in plan:
+            timer = Timer()
+            m = dpo_step(cfg, run, optimizer, scheduler, [pairs[i] for i in idx], [refs[i] for i in idx])
+            record = {"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)}
+            run.log(record, timer())
+            bar.update(tid, advance=1, loss=m["loss"])
     if not pairs:
         print_fn("no preference pairs: nothing to train on (every group tied?)")
     return run.finish()

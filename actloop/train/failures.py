@@ -10,12 +10,14 @@ Kinds (one count per trajectory and kind):
   off-format);
 - ``reward``  — a reward function or a hack detector raised (`reward_error` / `detector_error`,
   traceback from `Rubric.errors`);
-- ``parse``   — the policy gave no final answer: no turn, cut off at max_new_tokens, ended on a
-  tool call (out of turns), an empty reply, or a grader's `no_answer` / `empty_response` flag.
+- ``truncated`` — the last assistant turn was cut off at `rollout.max_new_tokens` (no answer yet);
+- ``parse``   — the policy gave no final answer otherwise: no turn, ended on a tool call (out of
+  turns), an empty reply, or a grader's `no_answer` / `empty_response` flag.
 
 The first four are infrastructure failures: the trajectory is masked from the loss (the rubric
-already marks it `masked`). ``parse`` is the policy's own doing: the grader scores it (0 in
-practice) and it is trained on, so the policy learns to answer; it is counted, not masked.
+already marks it `masked`). ``truncated`` and ``parse`` are the policy's own doing: the grader
+scores them (0 in practice) and they are trained on, so the policy learns to answer in budget;
+they are counted, not masked (`train.mask_truncated` masks truncated ones).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def classify(step: int, scored: list[Scored], reward_errors: list[str] = ()) -> 
         for kind, (msg, tb) in kinds.items():
             out.append(Failure(step, kind, msg, tb, i, rid, s.masked))
         if not kinds and (why := no_answer(traj, s.flags)):
-            out.append(Failure(step, "parse", why, None, i, rid, s.masked))
+            kind = "truncated" if traj.turns and traj.turns[-1].finish_reason == "length" else "parse"
+            out.append(Failure(step, kind, why, None, i, rid, s.masked))
     return out
 
 
@@ -114,9 +117,23 @@ def failure_metrics(failures: list[Failure], n: int, cfg: FailuresConfig) -> dic
     counts = Counter(f.kind for f in failures)
     rec: dict[str, float] = {f"failures/{k}": counts.get(k, 0) for k in FAILURE_KINDS}
     rec["failures/masked"] = len({f.index for f in failures if f.masked})
+    rec["failures/any"] = len({f.index for f in failures}) / n if n else 0.0  # every kind, counted or not
     counted = {f.index for f in failures if f.kind in cfg.count}
     rec["failures/rate"] = len(counted) / n if n else 0.0
     return rec
+
+
+def masked_line(step: int, failures: list[Failure], n: int, log_path: Path) -> str | None:
+    """The one line a step prints when any of its trajectories was masked: how many, of which
+    kinds, the first error message, and where the tracebacks are; None when none was masked."""
+    masked = [f for f in failures if f.masked]
+    if not masked:
+        return None
+    counts = Counter(f.kind for f in masked)
+    kinds = ", ".join(f"{k} {v}" for k, v in counts.most_common())
+    n_masked = len({f.index for f in masked})
+    return (f"step {step}: {n_masked} of {n} trajectories masked from the loss ({kinds}); first: "
+            f"{masked[0].message[:200]} -- tracebacks in {log_path}")
 
 
 class FailureLog:

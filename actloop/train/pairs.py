@@ -179,6 +179,15 @@ def parse_preference_row(row: dict[str, Any], where: str) -> tuple[list[Message]
     return _prompt(row, where), _completion(row["chosen"], where, "chosen"), _completion(row["rejected"], where, "rejected")
 
 
+def check_rows(path: str | Path, parse) -> int:
+    """Parse every row of `path` with `parse(row, where)` (DataError naming file and line on the
+    first bad one); the row count. Run before a run directory is made."""
+    rows = read_jsonl_objects(path)
+    for where, row in rows:
+        parse(row, where)
+    return len(rows)
+
+
 def load_preference_pairs(path: str | Path, renderer: Renderer) -> list[Pair]:
     pairs = []
     for where, row in read_jsonl_objects(path):

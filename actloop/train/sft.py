@@ -22,13 +22,10 @@ with `actloop train model=RUN_DIR/final` (see docs/compare.md).
 
 from __future__ import annotations
 
-import math
-import random
-
 from actloop.config import Config, ConfigError
-from actloop.train.common import Run, Timer, progress_bar
+from actloop.train.common import Run, Timer, offline_schedule, progress_bar
 from actloop.train.logprobs import token_logprobs
-from actloop.train.pairs import Sequence, calculator_gold_sequences, load_sft_sequences
+from actloop.train.pairs import Sequence, calculator_gold_sequences, check_rows, load_sft_sequences, parse_sft_row
 from actloop.train.trainer import PromptSampler, RunResult
 
 
@@ -74,26 +71,20 @@ def sft_data(cfg: Config, run: Run, print_fn=print) -> list[Sequence]:
 
 def train_sft(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     """`algo=sft`."""
+    if cfg.data.path:
+        check_rows(cfg.data.path, parse_sft_row)  # bad data fails before a run directory exists
     run = Run(cfg, print_fn)
     run.evaluate("eval_before")
     seqs = sft_data(cfg, run, print_fn)
     optimizer, scheduler = run.optimizer()
-    bs = max(1, cfg.sft.batch_size)
-    per_epoch = math.ceil(len(seqs) / bs)
-    total = per_epoch * cfg.sft.epochs
-    rng = random.Random(cfg.seed)
-    step = 0
-    with progress_bar(total, progress) as bar:
-        tid = bar.add_task("sft", total=total, loss=0.0)
-        for epoch in range(1, cfg.sft.epochs + 1):
-            order = list(range(len(seqs)))
-            rng.shuffle(order)
-            for b in range(per_epoch):
-                timer = Timer()
-                step += 1
-                m = sft_step(cfg, run, optimizer, scheduler, [seqs[i] for i in order[b * bs : (b + 1) * bs]])
-                run.log({"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)},
-                        timer())
-                bar.update(tid, advance=1, loss=m["loss"])
+    plan = offline_schedule(cfg, len(seqs), cfg.sft.batch_size, cfg.sft.epochs, "conversations", "sft.epochs", print_fn)
+    with progress_bar(len(plan), progress) as bar:
+        tid = bar.add_task("sft", total=len(plan), loss=0.0)
+        for step, epoch, idx in plan:
+            timer = Timer()
+            m = sft_step(cfg, run, optimizer, scheduler, [seqs[i] for i in idx])
+            run.log({"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)},
+                    timer())
+            bar.update(tid, advance=1, loss=m["loss"])
     return run.finish()
 

@@ -33,7 +33,7 @@ from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import evaluate
-from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics
+from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
@@ -202,7 +202,8 @@ def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint |
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
         raise ConfigError(f"cannot resume {run_dir}: no checkpoint in {run_dir / checkpoint.CHECKPOINTS} (one is "
-                          "written every checkpoint.every steps, after the last step, and on Ctrl-C)")
+                          "written every checkpoint.every steps, on Ctrl-C, and after the last step with "
+                          "checkpoint.at_end=true)")
     fixed, allowed = checkpoint.config_changes(saved, cfg)
     if fixed:
         raise ConfigError(f"cannot resume {run_dir} with a changed " + "; ".join(fixed)
@@ -237,6 +238,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         torch.set_num_threads(cfg.train.threads)
     dist = init_distributed(cfg)  # torchrun: this rank's place; one process: a no-op (docs/distributed.md)
     print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
+    task: LoadedTask = build_task(cfg)  # config, reward functions and data checked before a run directory exists
     run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
     ckpt_dir = dist.broadcast_object(run_dir)  # sharded checkpoints: every rank writes into rank 0's
     ckpt = dist.broadcast_object(ckpt)
@@ -245,7 +247,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             "under torchrun (sharded); resume it under torchrun with as many processes" if ckpt.sharded else
             "by one process; resume it without torchrun"))
     print_fn(f"run directory: {run_dir}")
-    task: LoadedTask = build_task(cfg)
+    for note in task.info.get("notes", []):  # e.g. how many custom rows are held out for evaluation
+        print_fn(note)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
                          attn_implementation=cfg.train.attn_implementation)
     if ckpt is not None and not dist.active:
@@ -272,7 +275,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary: dict[str, Any] = {"task": task.name, "model": cfg.model, "steps": cfg.train.steps, "data": task.info}
     # what the summary is computed from, kept across a resume
     totals: dict[str, Any] = {"step_seconds": [], "gen_tokens": 0, "gen_seconds": 0.0, "failures": {},
-                              "reward_errors": 0, "checkpoint_seconds": 0.0}
+                              "reward_errors": 0, "checkpoint_seconds": 0.0, "unmasked_steps": 0}
     guard = FailureGuard(cfg.failures)
     start, state = 1, None
     if ckpt is not None:
@@ -394,6 +397,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             failure_log.write(failures)
             for f in failures:
                 totals["failures"][f.kind] = totals["failures"].get(f.kind, 0) + 1
+            if (line := masked_line(step, failures, len(seen), failure_log.path)) is not None:
+                print_fn(line)
+            if any(not s.masked for s in scored):  # a step that had something to train on (ties included)
+                totals["unmasked_steps"] = totals.get("unmasked_steps", 1) + 1  # missing: an older checkpoint
             stop_msg = dist.first(guard.check(step, failures, len(seen), run_dir))  # every rank stops together
             totals["step_seconds"].append(t3 - t0)
             last = step
@@ -404,7 +411,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             every = cfg.checkpoint.every
             if ((every and step % every == 0) or stop_msg or requested
                     or (step == cfg.train.steps and cfg.checkpoint.at_end)):
-                stop_msg = save_checkpoint(step) or stop_msg  # a disk full stops the run here
+                full = save_checkpoint(step)  # a disk full stops the run here
+                if full:
+                    stop_msg = full
+                else:
+                    totals["checkpoint_step"] = step
             if stop_msg or requested:
                 break
 
@@ -418,6 +429,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
     if totals["reward_errors"]:
         summary["reward_errors"] = totals["reward_errors"]
+    trained_somewhere = dist.first(True if totals.get("unmasked_steps", 1) else None)  # any rank, any step
+    if (not stop_msg and not requested and last >= start and not trained_somewhere
+            and cfg.failures.nothing_trained == "error"):
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(totals["failures"].items()))
+        stop_msg = (f"no step trained anything: every trajectory of steps 1-{last} was masked ({kinds}). "
+                    f"Tracebacks are in {run_dir / 'failures.jsonl'}; failures.nothing_trained=ignore finishes anyway.")
     if stop_msg or requested:
         summary["stopped"] = {"step": last, "reason": stop_msg or requested}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -428,6 +445,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     summary.pop("stopped", None)
     if start > cfg.train.steps:
         print_fn(f"the run already reached step {cfg.train.steps}; extend it with train.steps=N")
+    if last >= start and totals.get("checkpoint_step") != last and not dist.active:  # torchrun: none written yet
+        print_fn(f"no checkpoint of the last step {last} (checkpoint.at_end=false)"
+                 + ("; final/ holds the trained model" if cfg.train.save_final else "")
+                 + "; to extend a run later with resume=, train it with checkpoint.at_end=true")
     if cfg.train.eval_after and task.eval_rows:
         run_eval("eval_after")
     if cfg.train.save_final:

@@ -102,3 +102,23 @@ def test_custom_data_path_reads_parquet_and_skips_bad_rows(tmp_path):
     empty.write_text("\n")
     with pytest.raises(DataError, match="no rows"):
         build(f"data.path={empty}", f"reward.funcs=[{reward}:one]")
+
+
+def test_custom_rows_held_out_for_evaluation_are_said(tmp_path):
+    """8 rows and no data.eval_path: a seeded fifth (1 row) is held out, and the task says so in
+    a note the trainers print at start; with data.eval_path nothing is held out of data.path."""
+    import json
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(8)))
+    t = build(f"data.path={rows}", f"reward.funcs=[{reward}:one]")
+    assert (len(t.train_rows), len(t.eval_rows)) == (7, 1)
+    assert t.info["notes"] == [f"{rows}: holding out 1 of 8 rows for evaluation (a seeded fifth at most, capped at "
+                               "data.eval_size); set data.eval_path to choose"]
+    t = build(f"data.path={rows}", f"data.eval_path={rows}", f"reward.funcs=[{reward}:one]")
+    assert (len(t.train_rows), len(t.eval_rows), t.info["notes"]) == (8, 8, [])
+    mix = build(f"data.mix=[{rows}:1,calculator:1]", f"reward.funcs=[{reward}:one]", "data.eval_size=10")
+    assert mix.info["notes"] == [f"{rows}: holding out 1 of 8 rows for evaluation (a seeded fifth at most, capped "
+                                 "at data.eval_size); in a data.mix, data.eval_size is shared out by weight"]

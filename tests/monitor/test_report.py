@@ -84,3 +84,25 @@ def test_cli_report(cfg, tmp_path):
     assert (tmp_path / "out" / "index.html").exists() and "index.html" in res.output
     res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a directory" in res.output
+
+
+def test_a_short_run_has_whole_step_ticks_and_every_failure_kind_counted(cfg, tmp_path, monkeypatch):
+    """A 2-step run drew ticks at 1.2, 1.4, ...; and "failed trajectories" read 0 while 6 parse
+    failures were recorded (failures/rate counts only failures.count kinds)."""
+    from matplotlib.figure import Figure
+
+    run = fake_run(cfg, tmp_path / "run", steps=2)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "failures": {"parse": 6, "truncated": 2}}))
+    ticks, real_savefig = {}, Figure.savefig
+
+    def recording_savefig(fig, path, *a, **kw):
+        fig.canvas.draw()
+        lo, hi = fig.axes[0].get_xlim()
+        ticks[str(path)] = [t for t in fig.axes[0].get_xticks() if lo <= t <= hi]
+        return real_savefig(fig, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    page = build_report(run).read_text()
+    assert ticks and all(t == int(t) for ts in ticks.values() for t in ts), ticks
+    assert "recorded failures" in page and "parse 6, truncated 2" in page

@@ -86,3 +86,22 @@ def test_a_function_can_ask_for_the_whole_transcript():
         return [float("tool: 42" in transcripts[0] and completions[0] == "The answer is 42.")]
 
     assert call_reward_func(f, [t]) == [1.0]
+
+
+def test_module_in_the_current_directory_loads_as_the_readme_writes_it(tmp_path, monkeypatch):
+    """`reward.funcs=[my_rewards:f]` with my_rewards.py in the current directory: the `actloop`
+    script does not put the current directory on sys.path (`python -m` does), so the loader
+    searches it last itself — without shadowing installed packages."""
+    import sys
+
+    (tmp_path / "papercut_rewards.py").write_text("def f(prompts, completions, **kw):\n    return [0.5] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "papercut_rewards", raising=False)
+    fn = load_reward_func("papercut_rewards:f")
+    assert call_reward_func(fn, [traj("x")]) == [0.5]
+    assert str(tmp_path) not in sys.path and "" not in sys.path  # searched, not left behind
+    assert load_reward_func("papercut_rewards.py:f")(prompts=[], completions=["a"]) == [0.5]  # the file form too
+    with pytest.raises(RewardError, match=r"No module named 'nope_rewards' \(looked in the installed packages and "
+                                          r"in the current directory .*path/to/nope_rewards.py:f"):
+        load_reward_func("nope_rewards:f")

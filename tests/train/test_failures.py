@@ -8,6 +8,7 @@ import json
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox import ExecResult, get_sandbox
 from actloop.sandbox import clock as sandbox_clock
-from actloop.train.failures import FailureGuard, FailureLog, classify, failure_metrics, no_answer
+from actloop.train.failures import FailureGuard, FailureLog, classify, failure_metrics, masked_line, no_answer
 from actloop.train.trainer import _usage, usage_delta
 
 
@@ -79,7 +80,8 @@ def test_env_that_raises_is_recorded_masked_and_counted(tokenizer, renderer, tmp
     assert failures[0].message == "RuntimeError: tool server down" and "Traceback" in failures[0].traceback
     m = failure_metrics(failures, len(scored), FailuresConfig())
     assert m == {"failures/env": 2, "failures/engine": 0, "failures/sandbox": 0, "failures/judge": 0, "failures/reward": 0,
-                 "failures/parse": 0, "failures/masked": 2, "failures/rate": 0.5}
+                 "failures/truncated": 0, "failures/parse": 0, "failures/masked": 2, "failures/rate": 0.5,
+                 "failures/any": 0.5}
     log = FailureLog(tmp_path / "failures.jsonl")
     log.write(failures)
     log.close()
@@ -103,17 +105,26 @@ def test_env_reply_that_cannot_be_rendered_is_an_env_failure(tokenizer, renderer
     assert [(f.kind, f.masked) for f in failures] == [("env", True)] * 2
 
 
-def test_garbage_policy_counts_as_parse_and_is_not_masked(tokenizer, renderer):
+def test_cut_off_policy_counts_as_truncated_not_parse_and_is_not_masked(tokenizer, renderer):
     junk = tokenizer.encode(" ]]] ;; ]]]", add_special_tokens=False)[:4]
     trajs = run_episodes(ScriptedEngine(junk, "length"), renderer, ChatEnv, rows(4), SamplingParams(4), max_turns=2)
     scored = Rubric([RewardTerm("constant", constant)]).score(trajs)
     assert not any(s.masked for s in scored)  # the policy must learn from it
     failures = classify(1, scored)
-    assert [f.kind for f in failures] == ["parse"] * 4 and not any(f.masked for f in failures)
+    assert [f.kind for f in failures] == ["truncated"] * 4 and not any(f.masked for f in failures)
     assert failures[0].message == "cut off at max_new_tokens (4 tokens)"
     m = failure_metrics(failures, 4, FailuresConfig())
-    assert m["failures/parse"] == 4 and m["failures/masked"] == 0 and m["failures/rate"] == 0.0
-    assert failure_metrics(failures, 4, FailuresConfig(count=["parse"]))["failures/rate"] == 1.0
+    assert m["failures/truncated"] == 4 and m["failures/parse"] == 0 and m["failures/masked"] == 0
+    assert m["failures/rate"] == 0.0 and m["failures/any"] == 1.0  # not in failures.count, but recorded
+    assert failure_metrics(failures, 4, FailuresConfig(count=["truncated"]))["failures/rate"] == 1.0
+    assert masked_line(1, failures, 4, Path("failures.jsonl")) is None  # trained on: nothing to say per step
+
+
+def test_garbage_policy_that_stops_without_an_answer_counts_as_parse(tokenizer, renderer):
+    empty = [tokenizer.eos_token_id]
+    trajs = run_episodes(ScriptedEngine(empty, "stop"), renderer, ChatEnv, rows(2), SamplingParams(4), max_turns=1)
+    failures = classify(1, Rubric([RewardTerm("constant", constant)]).score(trajs))
+    assert [(f.kind, f.message) for f in failures] == [("parse", "empty reply")] * 2
     # the other ways to give no answer, and an answer
     ok = text_trajectory("The answer is 4.")
     assert no_answer(ok) is None
@@ -131,6 +142,10 @@ def test_reward_function_that_raises_masks_the_batch_with_its_traceback():
     failures = classify(2, scored, rubric.errors)
     assert [(f.kind, f.masked) for f in failures] == [("reward", True)] * 2
     assert "ZeroDivisionError" in failures[0].message and "Traceback" in failures[0].traceback
+    # the one line the step prints: how many, which kind, the first message, where the tracebacks are
+    line = masked_line(2, failures, 3, Path("runs/x/failures.jsonl"))
+    assert line.startswith("step 2: 2 of 3 trajectories masked from the loss (reward 2); first: ZeroDivisionError")
+    assert "division by zero in the grader" in line and line.endswith("tracebacks in runs/x/failures.jsonl")
 
 
 class FailingSandbox:
@@ -280,15 +295,19 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
     res = train(load_config(None, base + ["train.steps=1", "run_name=garbage",
                                           f"reward.funcs=[{tmp_path / 'rewards.py'}:varied]"]), **quiet)
     (rec,) = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rec["failures/parse"] == 4 and rec["failures/masked"] == 0 and rec["trained_trajectories"] > 0
-    assert res.summary["failures"] == {"parse": 4}
+    assert rec["failures/truncated"] == 4 and rec["failures/masked"] == 0 and rec["trained_trajectories"] > 0
+    assert res.summary["failures"] == {"truncated": 4}
 
     # adaptive KL: a step with nothing to train measured no KL, so beta must not move
     cfg = load_config(None, base + ["train.steps=5", "run_name=broken", "failures.max_bad_steps=2",
                                     "train.beta=0.1", "kl.controller=adaptive", "kl.horizon=10",
                                     f"reward.funcs=[{tmp_path / 'rewards.py'}:broken]"])
+    said = []
     with pytest.raises(RunAborted, match="stopping at step 2: 2 consecutive steps .* reward 4"):
-        train(cfg, **quiet)
+        train(cfg, progress=False, print_fn=said.append)
+    masked = [s for s in said if "masked from the loss" in s]
+    assert [s.split(":")[0] for s in masked] == ["step 1", "step 2"], said  # one line per step, saying why
+    assert "(reward 4); first: ValueError: grader crashed" in masked[0]
     run_dir = tmp_path / "broken"
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
@@ -301,3 +320,11 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
     assert [c.step for c in list_checkpoints(run_dir)] == [2]  # checkpoint first, then stop
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped"]["step"] == 2 and summary["failures"] == {"reward": 8}
+
+    # fewer steps than failures.max_bad_steps, every one masked: the run must not end as a success
+    cfg = load_config(None, base + ["train.steps=1", "run_name=nothing", f"reward.funcs=[{tmp_path / 'rewards.py'}:broken]"])
+    with pytest.raises(RunAborted, match=r"no step trained anything: every trajectory of steps 1-1 was masked \(reward 4"):
+        train(cfg, **quiet)
+    assert json.loads((tmp_path / "nothing" / "summary.json").read_text())["stopped"]["step"] == 1
+    train(load_config(None, base + ["train.steps=1", "run_name=ignored", "failures.nothing_trained=ignore",
+                                    f"reward.funcs=[{tmp_path / 'rewards.py'}:broken]"]), **quiet)  # asked for

@@ -29,7 +29,7 @@ REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) /
 def tiny(tmp_path: Path, name: str) -> list[str]:
     """4 steps of 2 prompts x 2 samples, 8 new tokens, short prompts (the update is most of a
     step's cost, and it grows with the prompt), adaptive KL to a reference, a checkpoint every 2 steps
-    (the kill in step 3 resumes from step 2)."""
+    (the kill in step 3 resumes from step 2) and after the last one (off by default)."""
     reward, rows = tmp_path / "varied_reward.py", tmp_path / "rows.jsonl"
     reward.write_text(REWARD)
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Name a colour, {i}."}]}) + "\n"
@@ -37,7 +37,8 @@ def tiny(tmp_path: Path, name: str) -> list[str]:
     return ["train", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", f"data.path={rows}",
             "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=1", "train.eval_before=false",
             "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=2",
-            "checkpoint.keep=1", "train.beta=0.04", "kl.controller=adaptive", f"reward.funcs=[{reward}:varied]",
+            "checkpoint.keep=1", "checkpoint.at_end=true", "train.beta=0.04", "kl.controller=adaptive",
+            f"reward.funcs=[{reward}:varied]",
             f"output_dir={tmp_path}", f"run_name={name}", "--no-progress"]
 
 
