@@ -196,8 +196,10 @@ class TrainConfig:
         "logits at once, kept for the backward)."
     )
     attn_implementation: str = opt(
-        "sdpa", "Attention kernel: `sdpa` (default), `eager`, or `flash_attention_2` / `flash_attention_3` (CUDA, "
-        "needs the flash-attn package)."
+        "auto", "Attention kernel: `auto` (sdpa; for models with attention sinks such as GPT-OSS, eager, or the hub "
+        "kernel `kernels-community/vllm-flash-attn3` on CUDA where `kernels` is installed), `sdpa`, `eager`, "
+        "`flex_attention`, `flash_attention_2` / `flash_attention_3` (CUDA, flash-attn package); kernels that drop "
+        "sinks are refused for sink models (docs/models.md)."
     )
 
 
