@@ -79,3 +79,73 @@ def choose_attn_implementation(name: str, config: Any | None = None, *, cuda: bo
         raise AttentionError(f"attn_implementation={name} needs the `{need[0]}` package: pip install {need[1]}; "
                              "or use `auto`")
     return name
+
+
+# -- sliding-window layers: exact masks from positions, caches that keep every key ------------------
+#
+# transformers builds a sliding layer's mask in *column* space (key column > query column - window)
+# and, given a config, its DynamicCache keeps only the last `window` keys of a sliding layer. Both
+# are right for one unpadded row. They are wrong for the layouts actloop runs: the engine's
+# [prefix][pad][suffix] blocks, the trainer's right-padded per-prompt prefixes followed by the
+# suffixes. There a pad column counts as a token of the window (a row sees fewer real keys than the
+# window), and a cropped cache keeps pads instead of real keys. So for models with sliding layers
+# actloop passes (a) a cache without cropping (`uncropped_cache`) and (b) one 4-D mask per layer
+# type computed from the tokens' *positions* (`layer_masks`): key k is visible to query q when k is
+# a real token, pos_k <= pos_q, and, in a sliding layer, pos_q - pos_k < window — the rule one
+# unpadded sequence gets, whatever the padding layout. Kernels that take no 4-D masks (flash,
+# the hub sink kernel) keep transformers' own masks.
+
+EXPLICIT_MASK_KERNELS = ("eager", "sdpa")
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of a model whose layers include sliding-window attention, else None."""
+    types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in types else None
+
+
+def uses_layer_masks(model: Any) -> bool:
+    """Whether `model` (a transformers model, peft-wrapped or not, or its backbone) gets explicit
+    per-layer masks and an uncropped cache from actloop."""
+    config = model.config
+    return sliding_window(config) is not None and getattr(config, "_attn_implementation", None) in EXPLICIT_MASK_KERNELS
+
+
+def uncropped_cache(model: Any):
+    """A DynamicCache that keeps every key of every layer (no sliding-window cropping), for a model
+    that `uses_layer_masks`; None (let transformers make its own) otherwise."""
+    if not uses_layer_masks(model):
+        return None
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def layer_masks(model: Any, q_pos, k_pos, k_valid, dtype) -> dict | None:
+    """Per-layer-type additive masks [B, 1, q, kv] for a model that `uses_layer_masks`, else None.
+
+    q_pos [B, q]: positions of the queries; k_pos [B, kv], k_valid [B, kv]: positions and
+    realness of every key column (the cache's columns followed by the queries' own). A query
+    with no visible key (a pad) attends to every column, so no row of the softmax is empty (no
+    NaN reaches the real rows through a pad's value vector); its output is never read."""
+    import torch
+
+    window = sliding_window(model.config)
+    if window is None or not uses_layer_masks(model):
+        return None
+    q = q_pos[:, :, None]  # [B, q, 1]
+    k = k_pos[:, None, :]  # [B, 1, kv]
+    causal = k_valid.bool()[:, None, :] & (k <= q)  # [B, q, kv]
+    sliding = causal & (q - k < window)  # [B, q, kv]
+    low = torch.finfo(dtype).min
+    out = {}
+    for name, allowed in (("full_attention", causal), ("sliding_attention", sliding)):
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # pad queries: see everything, read nothing
+        out[name] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, low)[:, None]
+    return out
+
+
+def mask_dtype(model: Any):
+    """The dtype transformers would build masks in: that of the input embeddings."""
+    return model.get_input_embeddings().weight.dtype

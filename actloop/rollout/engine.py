@@ -19,6 +19,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -155,6 +157,7 @@ class HFEngine:
                 p.requires_grad_(False)
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
         self._cache_kw = cache_kwarg(self.model)
+        self._layer_masks = uses_layer_masks(self.model)  # sliding-window layers: masks from positions
 
     @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
@@ -171,7 +174,11 @@ class HFEngine:
             out += self._generate_batch(prompts[i : i + self.max_batch], params)
         return out
 
-    def _forward(self, ids, mask, pos, cache):
+    def _forward(self, ids, mask, pos, cache, kpos):
+        """kpos [B, columns]: the position of every key column (cache + ids), for sliding layers."""
+        if self._layer_masks:  # exact sliding windows over the padded layout, cache not cropped
+            cache = cache if cache is not None else uncropped_cache(self.model)
+            mask = layer_masks(self.model, pos, kpos, mask, mask_dtype(self.model))
         ctx = autocast_context(self.precision) if self.weights == "live" else contextlib.nullcontext()
         with ctx:
             return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -192,7 +199,8 @@ class HFEngine:
         cache = None
         if P > 0:  # the shared prefix, once
             prefix = torch.tensor([prompts[0][:P]], device=device)
-            cache = output_cache(self._forward(prefix, torch.ones_like(prefix), torch.arange(P, device=device)[None], None))
+            ppos = torch.arange(P, device=device)[None]
+            cache = output_cache(self._forward(prefix, torch.ones_like(prefix), ppos, None, ppos))
             cache.batch_repeat_interleave(B)
         S = max(len(p) - P for p in prompts)
         ids = torch.zeros((B, S), dtype=torch.long)
@@ -204,7 +212,8 @@ class HFEngine:
             mask[i, P + S - len(suffix):] = 1
         pos = (P + mask[:, P:].cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-        out = self._forward(ids, mask, pos, cache)
+        kpos = torch.cat([torch.arange(P, device=device).expand(B, P), pos], dim=1)  # [B, P + S]
+        out = self._forward(ids, mask, pos, cache, kpos)
         cache, next_pos = output_cache(out), pos[:, -1] + 1
 
         rows = list(range(B))  # original index of each live row
@@ -230,10 +239,11 @@ class HFEngine:
                 keep = [j for j in range(len(rows)) if j not in set(done_now)]
                 keep_t = torch.tensor(keep, device=device)
                 cache.batch_select_indices(keep_t)
-                tok, mask, next_pos = tok[keep_t], mask[keep_t], next_pos[keep_t]
+                tok, mask, next_pos, kpos = tok[keep_t], mask[keep_t], next_pos[keep_t], kpos[keep_t]
                 rows = [rows[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
-            out = self._forward(tok[:, None].to(device), mask, next_pos[:, None], cache)
+            kpos = torch.cat([kpos, next_pos[:, None]], dim=1)
+            out = self._forward(tok[:, None].to(device), mask, next_pos[:, None], cache, kpos)
             next_pos = next_pos + 1
         self.generated_tokens += sum(len(t) for t in tokens)
         return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i]) for i in range(B)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache
 from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache, use_bf16
 
 
@@ -88,12 +89,19 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
                 pre[k, : len(p)] = torch.tensor(p, dtype=torch.long)
                 pre_attn[k, : len(p)] = 1
             kw = {} if len(prefixes) == 1 else {"attention_mask": pre_attn.to(device)}
+            pre_pos = torch.arange(Pmax, device=device).expand(len(prefixes), Pmax)
+            masks_pre = layer_masks(backbone, pre_pos, pre_pos, pre_attn.to(device), mask_dtype(backbone))
+            if masks_pre is not None:  # sliding-window layers: exact windows, every key kept
+                kw = {"attention_mask": masks_pre, cache_kwarg(backbone): uncropped_cache(backbone)}
             cache = output_cache(backbone(input_ids=pre.to(device), use_cache=True, **kw))
             if len(prefixes) == 1:
                 cache.batch_repeat_interleave(B)
             else:
                 cache.batch_select_indices(torch.tensor(owner, device=device))
-        hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=cache is not None,
+        k_pos = torch.cat([torch.arange(Pmax, device=device).expand(B, Pmax), pos], dim=1)  # [B, Pmax + S]
+        masks_all = layer_masks(backbone, pos, k_pos, attn, mask_dtype(backbone))
+        hidden = backbone(input_ids=ids, attention_mask=attn if masks_all is None else masks_all, position_ids=pos,
+                          use_cache=cache is not None,
                           **{cache_kwarg(backbone): cache}).last_hidden_state  # [B, S, H]
     sel = tmask.nonzero(as_tuple=True)
     return hidden[sel], tgt[sel], sel, (B, S), tmask
