@@ -276,7 +276,7 @@ def scatter_values(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _entropy_with_grad(policy, seqs, masks, cfg: Config, weights: torch.Tensor) -> torch.Tensor:
     """Weighted mean policy entropy with gradient (an extra head pass; only when entropy_coef > 0)."""
     backbone, head = backbone_and_head(policy)
-    h, _, sel, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision,
+    h, _, sel, _, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision,
                                         checkpointing=cfg.train.gradient_checkpointing)
     with autocast_context(cfg.train.precision):
         logits = head(h).float() / cfg.rollout.temperature
