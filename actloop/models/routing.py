@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from actloop.algos.routing import replay_topk
+from actloop.models.resolve import ModelError
 
 ROUTERS = ("GptOssTopKRouter",)  # forward(h [N, H]) -> (logits [N, E], gate weights [N, k], ids [N, k])
 
 
-class RoutingError(RuntimeError):
+class RoutingError(ModelError):
     """Routing replay asked of a model it cannot serve; the message says why."""
 
 

@@ -35,6 +35,7 @@ class _Episode:
     info: dict[str, Any] = field(default_factory=dict)
     done: bool = False
     error: str | None = None
+    routing: list[Any] = field(default_factory=list)  # MoE: per-position expert ids, as first computed
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -44,7 +45,24 @@ class _Episode:
             row=self.row,
             info=self.info,
             error=self.error,
+            routing=_cat(self.routing),
         )
+
+    def record_routing(self, routing: Any) -> None:
+        """Keep the routing of the positions this engine call computed first (the earlier ones
+        were recorded by the call that sampled them)."""
+        if routing is not None:
+            seen = sum(len(r) for r in self.routing)
+            if len(routing) > seen:
+                self.routing.append(routing[seen:])
+
+
+def _cat(parts: list[Any]) -> Any:
+    if not parts:
+        return None
+    import torch
+
+    return torch.cat(parts)
 
 
 def _error_text() -> str:
@@ -80,6 +98,7 @@ def run_episodes(
         completions = engine.generate([ep.ids for ep in active], params)
         last_turn = turn_index == max_turns - 1
         for ep, comp in zip(active, completions):
+            ep.record_routing(getattr(comp, "routing", None))
             message, parsed = renderer.assistant_message(comp.token_ids)
             ended_with_eos = bool(comp.token_ids) and comp.token_ids[-1] in renderer.eos_token_ids
             malformed = parsed.error is not None
