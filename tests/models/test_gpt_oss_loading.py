@@ -65,3 +65,47 @@ def test_real_gpt_oss_checkpoint_loads_dequantized():
     experts = models.policy.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float32 and not hasattr(models.policy.config, "quantization_config")
     assert models.policy.config._attn_implementation in ("eager", "kernels-community/vllm-flash-attn3")
+
+
+FP4_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _mxfp4_checkpoint(src: str, out):
+    """The tiny GPT-OSS with its experts stored as the published checkpoints store them: MXFP4
+    blocks (two e2m1 values per byte, 32 values per block) and one power-of-two scale per block."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    sd = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    expect = {}
+    lut = torch.tensor(FP4_E2M1)
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, n_in, n_out = sd.pop(k).shape  # stored [E, out, in / 32, 16] bytes, [E, out, in / 32] scales
+        blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(126, 129, (E, n_out, n_in // 32), dtype=torch.uint8, generator=g)  # 2^-1 .. 2^1
+        sd[k + "_blocks"], sd[k + "_scales"] = blocks, scales
+        vals = torch.stack([lut[(blocks & 0xF).long()], lut[(blocks >> 4).long()]], -1).flatten(-2)  # [E, out, in/32, 32]
+        expect[k] = (vals * torch.exp2(scales.float() - 127)[..., None]).flatten(-2).transpose(1, 2)  # [E, in, out]
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return expect
+
+
+def test_an_mxfp4_checkpoint_loads_dequantized_and_trains(tiny_gpt_oss_dir, tmp_path):
+    expect = _mxfp4_checkpoint(tiny_gpt_oss_dir, tmp_path / "mxfp4")
+    models = load_models(str(tmp_path / "mxfp4"))
+    policy = models.policy
+    assert not hasattr(policy.config, "quantization_config") and getattr(policy, "hf_quantizer", None) is None
+    for name, want in expect.items():
+        got = policy.get_parameter(name)
+        assert got.dtype == torch.float32 and got.requires_grad
+        assert torch.equal(got.detach(), want), name  # e2m1 x power-of-two scales: exact in bf16 and fp32
+    policy(input_ids=torch.arange(12)[None]).logits.float().logsumexp(-1).sum().backward()
+    assert policy.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
