@@ -223,8 +223,15 @@ class TrainConfig:
         "logits at once, kept for the backward)."
     )
     attn_implementation: str = opt(
-        "sdpa", "Attention kernel: `sdpa` (default), `eager`, or `flash_attention_2` / `flash_attention_3` (CUDA, "
-        "needs the flash-attn package)."
+        "auto", "Attention kernel: `auto` (sdpa; for models with attention sinks such as GPT-OSS, eager, or the hub "
+        "kernel `kernels-community/vllm-flash-attn3` on CUDA where `kernels` is installed), `sdpa`, `eager`, "
+        "`flex_attention`, `flash_attention_2` / `flash_attention_3` (CUDA, flash-attn package); kernels that drop "
+        "sinks are refused for sink models (docs/models.md)."
+    )
+    routing_replay: bool = opt(
+        False, "MoE models (GPT-OSS): the trainer's forward uses the experts the rollout engine routed each token "
+        "to (R3), with gate weights from its own router logits. Needs rollout.engine hf or ray, which record the "
+        "routing; `routing_disagreement` / `router_disagreement` are logged for MoE models either way (docs/models.md)."
     )
 
 
@@ -698,6 +705,8 @@ def validate(cfg: Config) -> None:
         _one_of("distributed.backend", cfg.distributed.backend, ("auto", "gloo", "nccl")),
         _one_of("distributed.mixed_precision", cfg.distributed.mixed_precision, ("auto", "bf16", "none")),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
+        (not cfg.train.routing_replay or cfg.rollout.engine in ("hf", "ray"),
+         "train.routing_replay needs rollout.engine hf or ray (the engines that record MoE routing)"),
         (cfg.monitor.sample_every >= 0, "monitor.sample_every must be >= 0"),
         (cfg.monitor.window >= 1, "monitor.window must be >= 1"),
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),

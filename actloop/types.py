@@ -76,6 +76,9 @@ class Trajectory:
     row: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # a failed rollout is recorded and masked, never raised
+    # MoE engines: the experts the engine routed each input position to, [<= L - 1, MoE layers, k]
+    # (the first computation of each position; routing replay, actloop/models/routing.py); else None
+    routing: Any = None
 
     @property
     def input_ids(self) -> list[int]:

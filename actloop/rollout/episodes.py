@@ -36,6 +36,7 @@ class _Episode:
     info: dict[str, Any] = field(default_factory=dict)
     done: bool = False
     error: str | None = None
+    routing: list[Any] = field(default_factory=list)  # MoE: per-position expert ids, as first computed
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -45,7 +46,24 @@ class _Episode:
             row=self.row,
             info=self.info,
             error=self.error,
+            routing=_cat(self.routing),
         )
+
+    def record_routing(self, routing: Any) -> None:
+        """Keep the routing of the positions this engine call computed first (the earlier ones
+        were recorded by the call that sampled them)."""
+        if routing is not None:
+            seen = sum(len(r) for r in self.routing)
+            if len(routing) > seen:
+                self.routing.append(routing[seen:])
+
+
+def _cat(parts: list[Any]) -> Any:
+    if not parts:
+        return None
+    import torch
+
+    return torch.cat(parts)
 
 
 def _error_text() -> str:
@@ -84,6 +102,7 @@ def run_episodes(
             if comp.error is not None:  # the engine failed this prompt (retried already): the episode ends
                 ep.error, ep.done = comp.error, True
                 continue
+            ep.record_routing(getattr(comp, "routing", None))
             message, parsed = renderer.assistant_message(comp.token_ids)
             ended_with_eos = bool(comp.token_ids) and comp.token_ids[-1] in renderer.eos_token_ids
             malformed = parsed.error is not None

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from actloop.algos.routing import routing_disagreement
+from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache
+from actloop.models.routing import require_routing, routing_state
 from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache, use_bf16
 
 
@@ -30,6 +33,10 @@ class TokenLogprobs:
     mask: torch.Tensor  # [B, S] True where the target token is trained on
     entropy: torch.Tensor  # [B, S] policy entropy at that position (detached)
     hidden: torch.Tensor | None = None  # [N, H] hidden states at the N masked positions (for a value head)
+    # MoE with the engine's routing: share of trained tokens whose experts differ from the engine's, in the
+    # forward that ran (0 under replay) and in the trainer's own router choice (what replay overrode)
+    routing_disagreement: float | None = None
+    router_disagreement: float | None = None
 
 
 def backbone_and_head(model):
@@ -51,17 +58,25 @@ def set_checkpointing(backbone, on: bool) -> None:
 
 
 def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], precision: str = "auto",
-                      share_prefix: bool = True, checkpointing: bool = False):
+                      share_prefix: bool = True, checkpointing: bool = False, routing=None, replay: bool = False):
     """Run the backbone; return (hidden [N, H] at positions predicting masked tokens, targets [N],
     selection (rows, cols) into [B, S], (B, S)).
 
     checkpointing=True recomputes each decoder layer in the backward. transformers drops the KV
     cache inside a checkpointed layer (a replay would append to it twice), so the shared prefix
-    is not split off then: every row runs in full."""
+    is not split off then: every row runs in full.
+
+    routing: per row, the engine's top-k expert ids of each input position ([n_i, L, k], -1 =
+    unknown), for MoE models. The trainer's routing is compared with it (the last element
+    returned: the shares of trained tokens routed differently in the forward that ran and by
+    the trainer's own routers, or None), and replay=True forces it
+    (actloop/models/routing.py). Rows then run in full (no shared prefix), one forced choice
+    per position."""
     device = next(backbone.parameters()).device
     B = len(seqs)
     set_checkpointing(backbone, checkpointing)
-    share_prefix = share_prefix and not (checkpointing and torch.is_grad_enabled())
+    share_prefix = share_prefix and not (checkpointing and torch.is_grad_enabled()) and routing is None
+    state = require_routing(backbone) if routing is not None else routing_state(backbone)
     P_row, prefixes, owner = prefix_plan(seqs, masks) if share_prefix else ([0] * B, [], [])
     Pmax = max((len(p) for p in prefixes), default=0)
     S = max(max(len(s) - P - 1 for s, P in zip(seqs, P_row)), 1)
@@ -79,6 +94,17 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
         tmask[i, :n] = torch.tensor(m[P + 1 :], dtype=torch.bool)
         pos[i] = P + torch.arange(S)
     ids, attn, pos, tgt, tmask = ids.to(device), attn.to(device), pos.to(device), tgt.to(device), tmask.to(device)
+    engine_routing = None
+    if routing is not None:  # rows run in full: input j of row i is position j
+        engine_routing = torch.full((B, S, state.num_layers, state.top_k), -1, dtype=torch.long)
+        for i, r in enumerate(routing):
+            if r is not None and len(r):
+                n = min(len(r), S)
+                engine_routing[i, :n] = torch.as_tensor(r[:n], dtype=torch.long)
+    if state is not None:  # set for every call (a LoRA reference pass shares these modules)
+        replayed = replay and engine_routing is not None
+        state.forced = engine_routing.view(B * S, state.num_layers, state.top_k).to(device) if replayed else None
+        state.seen = {}
     with autocast_context(precision):
         cache = None
         if Pmax > 0:
@@ -88,15 +114,28 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
                 pre[k, : len(p)] = torch.tensor(p, dtype=torch.long)
                 pre_attn[k, : len(p)] = 1
             kw = {} if len(prefixes) == 1 else {"attention_mask": pre_attn.to(device)}
+            pre_pos = torch.arange(Pmax, device=device).expand(len(prefixes), Pmax)
+            masks_pre = layer_masks(backbone, pre_pos, pre_pos, pre_attn.to(device), mask_dtype(backbone))
+            if masks_pre is not None:  # sliding-window layers: exact windows, every key kept
+                kw = {"attention_mask": masks_pre, cache_kwarg(backbone): uncropped_cache(backbone)}
             cache = output_cache(backbone(input_ids=pre.to(device), use_cache=True, **kw))
             if len(prefixes) == 1:
                 cache.batch_repeat_interleave(B)
             else:
                 cache.batch_select_indices(torch.tensor(owner, device=device))
-        hidden = backbone(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=cache is not None,
+        k_pos = torch.cat([torch.arange(Pmax, device=device).expand(B, Pmax), pos], dim=1)  # [B, Pmax + S]
+        masks_all = layer_masks(backbone, pos, k_pos, attn, mask_dtype(backbone))
+        hidden = backbone(input_ids=ids, attention_mask=attn if masks_all is None else masks_all, position_ids=pos,
+                          use_cache=cache is not None,
                           **{cache_kwarg(backbone): cache}).last_hidden_state  # [B, S, H]
+    disagreement = None
+    if engine_routing is not None:
+        used = torch.stack([state.used[i] for i in range(state.num_layers)], 1).cpu().view(B, S, state.num_layers, -1)
+        own = state.take().view(B, S, state.num_layers, state.top_k).long()
+        disagreement = (routing_disagreement(engine_routing, used.long(), tmask.cpu()),
+                        routing_disagreement(engine_routing, own, tmask.cpu()))
     sel = tmask.nonzero(as_tuple=True)
-    return hidden[sel], tgt[sel], sel, (B, S), tmask
+    return hidden[sel], tgt[sel], sel, (B, S), tmask, disagreement
 
 
 def prefix_plan(seqs: list[list[int]], masks: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
@@ -121,14 +160,18 @@ def prefix_plan(seqs: list[list[int]], masks: list[list[int]]) -> tuple[list[int
 
 def token_logprobs(model, seqs: list[list[int]], masks: list[list[int]], temperature: float = 1.0,
                    precision: str = "auto", share_prefix: bool = True, return_hidden: bool = False,
-                   chunk: int = 1024, checkpointing: bool = False) -> TokenLogprobs:
-    """seqs[i] = full token ids of trajectory i, masks[i] its loss mask (same length)."""
+                   chunk: int = 1024, checkpointing: bool = False, routing=None, replay: bool = False) -> TokenLogprobs:
+    """seqs[i] = full token ids of trajectory i, masks[i] its loss mask (same length); routing /
+    replay: the engine's MoE routing per row, compared and optionally replayed (hidden_at_targets)."""
     backbone, head = backbone_and_head(model)
-    h, tgt, sel, (B, S), tmask = hidden_at_targets(backbone, seqs, masks, precision, share_prefix, checkpointing)
+    h, tgt, sel, (B, S), tmask, disagreement = hidden_at_targets(backbone, seqs, masks, precision, share_prefix,
+                                                                 checkpointing, routing, replay)
     lp, ent = head_logprobs(head, h, tgt, temperature, precision, chunk)
     logp = torch.zeros((B, S), device=lp.device, dtype=lp.dtype).index_put(sel, lp)
     entropy = torch.zeros((B, S), device=lp.device).index_put(sel, ent)
-    return TokenLogprobs(logp=logp, mask=tmask, entropy=entropy, hidden=h if return_hidden else None)
+    return TokenLogprobs(logp=logp, mask=tmask, entropy=entropy, hidden=h if return_hidden else None,
+                         routing_disagreement=disagreement[0] if disagreement else None,
+                         router_disagreement=disagreement[1] if disagreement else None)
 
 
 def head_logprobs(head, h: torch.Tensor, tgt: torch.Tensor, temperature: float = 1.0, precision: str = "auto",

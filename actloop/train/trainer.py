@@ -23,6 +23,7 @@ from actloop.config import Config, ConfigError, load_config
 from actloop.data.mix import per_source_metrics
 from actloop.tasks import LoadedTask, build_task
 from actloop.models import Models, load_models
+from actloop.models.routing import require_routing
 from actloop.monitor.metrics import mean, std
 from actloop.monitor.monitor import Monitor
 from actloop.rollout.engine import SamplingParams
@@ -251,6 +252,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         print_fn(note)
     models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
                          attn_implementation=cfg.train.attn_implementation)
+    if cfg.train.routing_replay:
+        require_routing(models.policy)  # a clear error for a model without a replayable MoE router
     if ckpt is not None and not dist.active:
         ckpt.load_policy(models.policy)  # before the engine copies the weights (sharded: after `prepare`)
     renderer = Renderer(models.tokenizer)

@@ -58,6 +58,15 @@ def _turn_ids(s: Scored) -> torch.Tensor:
     return torch.tensor([k for k, turn in enumerate(s.trajectory.turns) for _ in turn.token_ids])
 
 
+def _routing(ctx: UpdateContext, scored: list[Scored], mb: list[int]) -> dict[str, Any]:
+    """token_logprobs keywords for the engine's MoE routing of these trajectories: compared with
+    the trainer's routers always, replayed with train.routing_replay (docs/models.md)."""
+    routes = [scored[i].trajectory.routing for i in mb]
+    if all(r is None for r in routes):
+        return {}
+    return {"routing": routes, "replay": ctx.cfg.train.routing_replay}
+
+
 def _micro(idx: list[int], size: int):
     for start in range(0, len(idx), size):
         yield idx[start : start + size]
@@ -83,7 +92,8 @@ def _packed_pass(ctx: UpdateContext, scored: list[Scored], idx: list[int], need_
             masks = [scored[i].trajectory.loss_mask for i in mb]
             out = token_logprobs(ctx.models.policy, seqs, masks, ctx.cfg.rollout.temperature, t.precision,
                                  return_hidden=need_values and ctx.critic.mode == "head", chunk=t.logits_chunk,
-                                 checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx))
+                                 checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx),
+                                 **_routing(ctx, scored, mb))
             vals = None
             if need_values:
                 vals = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"
@@ -216,9 +226,13 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
         for mb in micros:
             seqs = [scored[i].trajectory.input_ids for i in mb]
             masks = [scored[i].trajectory.loss_mask for i in mb]
+            routing = _routing(ctx, scored, mb)
             out = token_logprobs(policy, seqs, masks, cfg.rollout.temperature, t.precision,
                                  return_hidden=need_values and ctx.critic.mode == "head", chunk=t.logits_chunk,
-                                 checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx))
+                                 checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx), **routing)
+            if out.routing_disagreement is not None:  # MoE: experts the engine and the trainer chose
+                acc.setdefault("routing_disagreement", []).append(out.routing_disagreement)
+                acc.setdefault("router_disagreement", []).append(out.router_disagreement)
             mask = out.mask
             old_logp = scatter([old[i] for i in mb], mask) if not on_policy else out.logp.detach()
             is_w = None
@@ -234,7 +248,7 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
                 cfg.kl.estimator, policy_loss=t.policy_loss, clip_low=t.clip_low, clip_high=t.clip_high,
                 dual_clip=t.dual_clip, mask=mask, is_weights=is_w, entropy=None, entropy_coef=0.0)
             if t.entropy_coef > 0:  # the bonus needs entropy with gradient, from the same logits
-                loss = loss - t.entropy_coef * _entropy_with_grad(policy, seqs, masks, cfg, weights)
+                loss = loss - t.entropy_coef * _entropy_with_grad(policy, seqs, masks, cfg, weights, routing)
             if need_values:
                 v = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"
                      else ctx.critic.values(seqs, masks, t.precision))
@@ -273,11 +287,11 @@ def scatter_values(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, device=v.device, dtype=v.dtype).index_put(mask.nonzero(as_tuple=True), v)
 
 
-def _entropy_with_grad(policy, seqs, masks, cfg: Config, weights: torch.Tensor) -> torch.Tensor:
+def _entropy_with_grad(policy, seqs, masks, cfg: Config, weights: torch.Tensor, routing=None) -> torch.Tensor:
     """Weighted mean policy entropy with gradient (an extra head pass; only when entropy_coef > 0)."""
     backbone, head = backbone_and_head(policy)
-    h, _, sel, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision,
-                                        checkpointing=cfg.train.gradient_checkpointing)
+    h, _, sel, _, _, _ = hidden_at_targets(backbone, seqs, masks, cfg.train.precision,
+                                           checkpointing=cfg.train.gradient_checkpointing, **(routing or {}))
     with autocast_context(cfg.train.precision):
         logits = head(h).float() / cfg.rollout.temperature
     logp = torch.log_softmax(logits, -1)
