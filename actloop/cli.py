@@ -117,7 +117,7 @@ def eval_cmd(
         models = load_models(cfg.model)
     except USER_ERRORS as e:
         _fail(str(e))
-    renderer = Renderer(models.tokenizer)
+    renderer = Renderer.from_config(models.tokenizer, cfg)
     engine = HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings)
     try:
         res = evaluate(engine, renderer, t, t.eval_rows, max_new_tokens, max_turns, samples_per_problem=samples,

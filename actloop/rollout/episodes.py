@@ -6,6 +6,12 @@
 
 A failure inside one episode (an environment that raises, a reset on a bad row) is recorded on
 that trajectory as `error` and the others go on; the trainer masks it from the loss.
+
+The tool schemas `Env.reset` returns go to the renderer with the prompt (the chat format
+declares them). An episode whose next turn would not fit in `max_context` (ids so far + the
+environment's answer + `max_new_tokens`) is ended there and marked `truncated_context`
+(counted per step, written to samples.jsonl); a prompt that does not fit at all is a recorded
+error.
 """
 
 from __future__ import annotations
@@ -19,9 +25,6 @@ from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.renderer import Renderer
 from actloop.types import Message, Trajectory, Turn
 
-MALFORMED_HINT = (
-    'Write a tool call exactly as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
-)
 
 
 @dataclass
@@ -35,6 +38,7 @@ class _Episode:
     info: dict[str, Any] = field(default_factory=dict)
     done: bool = False
     error: str | None = None
+    truncated_context: bool = False
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -44,6 +48,7 @@ class _Episode:
             row=self.row,
             info=self.info,
             error=self.error,
+            truncated_context=self.truncated_context,
         )
 
 
@@ -65,12 +70,16 @@ def run_episodes(
     for row in rows:
         ep = _Episode(env=make_env(), row=row)
         try:
-            messages, _tools = ep.env.reset(row)
+            messages, tools = ep.env.reset(row)
             ep.prompt_messages = list(messages)
-            ep.prompt_ids = renderer.prompt_ids(messages)
+            ep.prompt_ids = renderer.prompt_ids(messages, tools or ())
             ep.ids = list(ep.prompt_ids)
         except Exception:
             ep.error, ep.done = _error_text(), True
+        if not ep.done and len(ep.ids) + params.max_new_tokens > max_context:
+            ep.done, ep.truncated_context = True, True
+            ep.error = (f"the prompt ({len(ep.ids)} tokens) + max_new_tokens ({params.max_new_tokens}) does not fit in "
+                        f"max_context ({max_context})")
         episodes.append(ep)
 
     for turn_index in range(max_turns):
@@ -88,7 +97,7 @@ def run_episodes(
             if comp.finish_reason == "length":
                 ep.done = True  # cut off mid-turn: nothing sensible to feed back
             elif malformed:
-                env_messages = [Message("tool", f"Error: {parsed.error}. {MALFORMED_HINT}")]
+                env_messages = [Message("tool", f"Error: {parsed.error}. {renderer.tool_call_hint}")]
             else:
                 try:
                     result = ep.env.step(message)
@@ -105,7 +114,7 @@ def run_episodes(
                 except Exception:  # the environment answered with something that cannot be rendered
                     ep.error, ep.done, env_messages = _error_text(), True, []
                 if len(ep.ids) + len(comp.token_ids) + len(env_ids) + params.max_new_tokens > max_context:
-                    ep.done, env_ids = True, []
+                    ep.done, ep.truncated_context, env_ids = True, True, []
             finish = "length" if comp.finish_reason == "length" else (
                 "tool_call" if (message.tool_calls or malformed) else "stop")
             ep.turns.append(

@@ -40,6 +40,11 @@ class Renderer:
         self.eos_text = tokenizer.eos_token or ""
         self.tool_call_hint = self.format.tool_call_hint
 
+    @classmethod
+    def from_config(cls, tokenizer: Any, cfg: Any) -> "Renderer":
+        """The renderer `cfg.rollout` asks for (`chat_format`, `reasoning_effort`)."""
+        return cls(tokenizer, cfg.rollout.chat_format, cfg.rollout.reasoning_effort)
+
     def encode(self, text: str, literal: bool = False) -> list[int]:
         return self.format.encode(text, literal)
 
