@@ -114,9 +114,11 @@ def _end_of_turn_id(renderer: Renderer) -> int | None:
     return None
 
 
-def render_conversation(renderer: Renderer, prompt: list[Message], completion: list[Message]) -> Sequence:
+def render_conversation(renderer: Renderer, prompt: list[Message], completion: list[Message],
+                        tools: list[dict[str, Any]] | tuple = ()) -> Sequence:
     """prompt (ends before the first assistant turn) + completion (starts with an assistant turn)
-    -> ids and a mask that is 1 exactly on the assistant turns (and their end-of-turn token)."""
+    -> ids and a mask that is 1 exactly on the assistant turns (and their end-of-turn token).
+    `tools`: the tool schemas declared in the prompt, as the environment's `reset` returns them."""
     if not completion or completion[0].role != "assistant":
         raise ValueError("a completion must start with an assistant message")
     turns: list[tuple[Message, list[Message]]] = []
@@ -126,7 +128,7 @@ def render_conversation(renderer: Renderer, prompt: list[Message], completion: l
         else:
             turns[-1][1].append(m)
     eot = _end_of_turn_id(renderer)
-    ids = renderer.prompt_ids(prompt)
+    ids = renderer.prompt_ids(prompt, tools)
     mask = [0] * len(ids)
     for k, (msg, env) in enumerate(turns):
         ended_with_eos = not ends_with_tool_call(msg.content) and eot is not None
@@ -218,7 +220,8 @@ def calculator_gold_messages(row: dict[str, Any]) -> tuple[list[Message], list[M
 
 
 def calculator_gold_sequences(rows: list[dict[str, Any]], renderer: Renderer) -> list[Sequence]:
-    return [render_conversation(renderer, *calculator_gold_messages(r)) for r in rows]
+    tools = CalculatorEnv().tool_schemas()  # declared in the prompt, as in a rollout
+    return [render_conversation(renderer, *calculator_gold_messages(r), tools=tools) for r in rows]
 
 
 def messages_json(messages) -> list[dict[str, Any]]:
