@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,8 @@ def fp32_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+# tiny random GPT-OSS / Qwen3 checkpoints (tests/fixtures/tiny_models.py), built once per session
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixtures.tiny_models import tiny_gpt_oss_dir, tiny_qwen3_dir  # noqa: E402,F401  (session fixtures)
