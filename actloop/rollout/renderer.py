@@ -73,6 +73,11 @@ class Renderer:
     def continuation_ids(self, env_messages: list[Message], ended_with_eos: bool) -> list[int]:
         return self.format.encode_pieces(self.continuation_pieces(env_messages, ended_with_eos))
 
+    def assistant_text(self, message: Message) -> tuple[str, bool]:
+        """An assistant message as the policy would sample it (tool calls in this format's
+        spelling), and whether it ends on a stop token; `encode(text)` gives the sampled ids."""
+        return self.format.assistant_text(message)
+
     def assistant_message(self, ids: list[int] | tuple[int, ...]) -> tuple[Message, ParsedCalls]:
         """Sampled ids -> the assistant's message (content, reasoning, tool calls) and the parse
         result (`error` set for a malformed tool call)."""

@@ -15,7 +15,7 @@ from actloop.rollout.engine import Completion, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.formats import detect
 from actloop.rollout.renderer import Renderer
-from actloop.train.pairs import masked_spans
+from actloop.train.pairs import masked_spans, render_conversation
 from actloop.types import Message, Scored, ToolCall
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +90,10 @@ def test_scripted_tool_episode_renders_and_parses_exactly(tokenizers, fmt):
     assert [c.arguments for c in t.turns[0].message.tool_calls] == [{"expression": "12 * 13 + 5"}]
     assert t.turns[0].env_messages == (Message("tool", "161", name="calculator"),)
     assert t.turns[1].message.content.strip() == "The answer is 161." and not t.turns[1].message.tool_calls
+    # offline data (SFT/DPO) renders the parsed messages back to the very same ids and mask
+    completion = [m for turn in t.turns for m in (turn.message, *turn.env_messages)]
+    seq = render_conversation(r, list(t.prompt_messages), completion, CalculatorEnv(shots=[]).reset(ROW)[1])
+    assert list(seq.ids) == t.input_ids and list(seq.mask) == t.loss_mask
     # the tool was declared in the prompt in the format's own way
     text = r.decode(t.input_ids)
     assert {"hermes": "calculator(expression: string)", "qwen3": '"name": "calculator"',
@@ -213,3 +217,23 @@ def test_render_cli_on_the_tiny_models(fmt, tiny_qwen3_dir, tiny_gpt_oss_dir):
     [reply] = res["replies"]
     assert reply["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "12 * 13 + 5"}}]
     assert reply["env_reply"] == "161"
+
+
+@pytest.mark.parametrize("fmt", list(SCRIPTS))
+def test_sft_rows_with_openai_tool_calls_train_the_formats_spelling(tokenizers, fmt):
+    from actloop.train.pairs import to_messages
+
+    r = Renderer(tokenizers[fmt])
+    completion = to_messages([
+        {"role": "assistant", "content": None, "reasoning_content": "Use the tool." if fmt != "hermes" else None,
+         "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                          "arguments": '{"expression": "12 * 13 + 5"}'}}]},
+        {"role": "tool", "name": "calculator", "content": "161"},
+        {"role": "assistant", "content": "The answer is 161."}], "row 1")
+    seq = render_conversation(r, [Message("user", ROW["question"])], completion, [TOOL_SCHEMA])
+    spans = [r.decode(s) for s in masked_spans(seq.ids, seq.mask)]
+    msg, parsed = r.assistant_message(masked_spans(seq.ids, seq.mask)[0])
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [("calculator", {"expression": "12 * 13 + 5"})]
+    assert {"hermes": "<tool_call>", "qwen3": "<think>\nUse the tool.\n</think>",
+            "harmony": "commentary to=functions.calculator"}[fmt] in spans[0]
+    assert r.assistant_message(masked_spans(seq.ids, seq.mask)[1])[0].content.strip() == "The answer is 161."

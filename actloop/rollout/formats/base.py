@@ -71,6 +71,12 @@ class ChatFormat:
         """Sampled ids -> the assistant message (content = final text, reasoning, tool calls)."""
         raise NotImplementedError
 
+    def assistant_text(self, message: Message) -> tuple[str, bool]:
+        """The inverse of `parse`: an assistant message as the policy would sample it after the
+        generation prompt, and whether that ends on a stop token (written in the text). Offline
+        data (SFT, DPO) is rendered with it, so it trains on what a rollout would sample."""
+        raise NotImplementedError
+
     # --------------------------------------------------------------------- shared
     def _stop_ids(self) -> tuple[int, ...]:
         tok, vocab = self.tokenizer, self.tokenizer.get_vocab()

@@ -151,6 +151,13 @@ class HarmonyFormat(ChatFormat):
             pieces += self._message(m, keep_analysis=True)
         return pieces + [Piece("<|start|>assistant")]
 
+    def assistant_text(self, message: Message) -> tuple[str, bool]:
+        text = "".join(p.text for p in self._message(message, keep_analysis=True))
+        text = text[len("<|start|>assistant"):]  # the generation prompt wrote it
+        if not message.tool_calls:  # a final answer is sampled with <|return|> (history shows <|end|>)
+            text = text[:-len("<|end|>")] + "<|return|>"
+        return text, True
+
     # ------------------------------------------------------------------ parsing
     def parse(self, ids: list[int]) -> tuple[Message, ParsedCalls]:
         text = "<|start|>assistant" + self.decode(ids).replace("<|endoftext|>", "")

@@ -183,6 +183,18 @@ class HermesFormat(ChatFormat):
             pieces[0] = Piece(pieces[0].text[len(closing):])  # the policy sampled the turn's end itself
         return pieces
 
+    def assistant_text(self, message: Message) -> tuple[str, bool]:
+        text = message.content  # a parsed message's content already spells its calls
+        if TOOL_CALL_OPEN not in text:
+            text += "".join(hermes_call_text(c) for c in message.tool_calls)
+        if text.rstrip().endswith(TOOL_CALL_CLOSE):
+            return text, False  # generation stops on the string: the renderer closes the turn
+        closing = "".join(p.text for p in self.continuation_pieces([], ended_with_stop=False))
+        eos = self.tokenizer.eos_token or ""
+        if eos and closing.startswith(eos):  # the turn's end is the EOS token: the policy samples it
+            return text + eos, True
+        return text, False
+
     # ------------------------------------------------------------------ parsing
     def parse(self, ids: list[int]) -> tuple[Message, ParsedCalls]:
         text = self.tokenizer.decode(self.strip_stop(ids), skip_special_tokens=True)
@@ -204,6 +216,14 @@ class Qwen3Format(HermesFormat):
 
     def stop_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>", "<|endoftext|>")
+
+    def assistant_text(self, message: Message) -> tuple[str, bool]:
+        think = f"{_THINK_OPEN}\n{message.reasoning.strip()}\n{_THINK_CLOSE}\n\n" if message.reasoning else ""
+        calls = "" if TOOL_CALL_OPEN in message.content else "\n".join(
+            f"{TOOL_CALL_OPEN}\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n{TOOL_CALL_CLOSE}"
+            for c in message.tool_calls)
+        body = "\n\n".join(t for t in (message.content.strip(), calls) if t)
+        return f"{think}{body}<|im_end|>", True
 
     def parse(self, ids: list[int]) -> tuple[Message, ParsedCalls]:
         text = self.decode(self.strip_stop(ids))
