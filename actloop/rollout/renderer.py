@@ -37,7 +37,6 @@ class Renderer:
         self.format_name = self.format.name
         self.eos_token_ids = self.format.stop_ids
         self.stop_strings = self.format.stop_strings
-        self.eos_text = tokenizer.eos_token or ""
         self.tool_call_hint = self.format.tool_call_hint
 
     @classmethod
