@@ -102,6 +102,10 @@ class RolloutConfig:
         "`hermes` (<tool_call> JSON), `qwen3` (<think> + Hermes calls), `harmony` (gpt-oss channels); docs/models.md.")
     reasoning_effort: str = opt(
         "medium", "harmony: `low`, `medium` or `high`, written as `Reasoning: ...` in the system message.")
+    tool_prompt: str = opt(
+        "", "hermes, for a chat template that cannot declare tools (SmolLM2's): the system message, with `{system}` "
+        "(the task's), `{tools}` (a line per tool), `{call}` (a call spelled out); empty = the default, "
+        "`{system}` + tool lines + how to call (docs/models.md).")
     engine: str = opt(
         "hf",
         "Generation engine: `hf` (transformers with a KV cache, in this process), `vllm` (vLLM colocated on the "

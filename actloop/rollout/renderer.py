@@ -31,9 +31,10 @@ __all__ = ["ParsedCalls", "Renderer", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "pars
 class Renderer:
     """Chat format <-> token ids for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, chat_format: str = "auto", reasoning_effort: str = "medium"):
+    def __init__(self, tokenizer: Any, chat_format: str = "auto", reasoning_effort: str = "medium",
+                 tool_prompt: str = ""):
         self.tokenizer = tokenizer
-        self.format: ChatFormat = make_format(tokenizer, chat_format, reasoning_effort)
+        self.format: ChatFormat = make_format(tokenizer, chat_format, reasoning_effort, tool_prompt)
         self.format_name = self.format.name
         self.eos_token_ids = self.format.stop_ids
         self.stop_strings = self.format.stop_strings
@@ -41,8 +42,8 @@ class Renderer:
 
     @classmethod
     def from_config(cls, tokenizer: Any, cfg: Any) -> "Renderer":
-        """The renderer `cfg.rollout` asks for (`chat_format`, `reasoning_effort`)."""
-        return cls(tokenizer, cfg.rollout.chat_format, cfg.rollout.reasoning_effort)
+        """The renderer `cfg.rollout` asks for (`chat_format`, `reasoning_effort`, `tool_prompt`)."""
+        return cls(tokenizer, cfg.rollout.chat_format, cfg.rollout.reasoning_effort, cfg.rollout.tool_prompt)
 
     def encode(self, text: str, literal: bool = False) -> list[int]:
         return self.format.encode(text, literal)

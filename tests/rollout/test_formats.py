@@ -237,3 +237,22 @@ def test_sft_rows_with_openai_tool_calls_train_the_formats_spelling(tokenizers, 
     assert {"hermes": "<tool_call>", "qwen3": "<think>\nUse the tool.\n</think>",
             "harmony": "commentary to=functions.calculator"}[fmt] in spans[0]
     assert r.assistant_message(masked_spans(seq.ids, seq.mask)[1])[0].content.strip() == "The answer is 161."
+
+
+def test_tool_prompt_can_reproduce_the_hand_written_calculator_prompt(tokenizer):
+    """rollout.tool_prompt: a calculator whose tools are only declared as schemas can get
+    token for token the prompt the demo was tuned on (the tool format hand-written in SYSTEM)."""
+    from actloop.envs.calculator import SYSTEM
+
+    row = {"question": "What is 12 times 13, plus 5?"}
+    today, tools = CalculatorEnv().reset(row)
+    assert SYSTEM in today[0].content
+    template = ("You are a careful assistant with a calculator tool. For any arithmetic, call the tool as {call} "
+                "and wait for its result. {system}")
+    switched = [Message("system", "Then reply with the final answer as: The answer is N."), *today[1:]]
+    assert Renderer(tokenizer, tool_prompt=template).prompt_ids(switched, tools) == Renderer(tokenizer).prompt_ids(today)
+    # the default: the task's system message, a line per tool, how to call one
+    text = Renderer(tokenizer).prompt_text(switched, tools)
+    assert ("The answer is N.\n\nYou can call these tools:\n- calculator(expression: string): Evaluate an arithmetic "
+            'expression with + - * / // % ** and parentheses.\nCall a tool as <tool_call>{"name": "calculator", '
+            '"arguments": {"expression": "..."}}</tool_call> and wait for its result.<|im_end|>') in text

@@ -25,8 +25,9 @@ def detect(tokenizer: Any) -> str:
     return next(name for name, cls in FORMATS.items() if cls.matches(tokenizer))
 
 
-def make_format(tokenizer: Any, chat_format: str = "auto", reasoning_effort: str = "medium") -> ChatFormat:
+def make_format(tokenizer: Any, chat_format: str = "auto", reasoning_effort: str = "medium",
+                tool_prompt: str = "") -> ChatFormat:
     name = detect(tokenizer) if chat_format == "auto" else chat_format
     if name not in FORMATS:
         raise ValueError(f"rollout.chat_format must be one of {', '.join(CHAT_FORMATS)}; got `{chat_format}`")
-    return FORMATS[name](tokenizer, reasoning_effort=reasoning_effort)
+    return FORMATS[name](tokenizer, reasoning_effort=reasoning_effort, tool_prompt=tool_prompt)

@@ -39,9 +39,10 @@ class ChatFormat:
     stop_strings: tuple[str, ...] = ()  # strings that end generation (besides stop_ids)
     tool_call_hint = ""  # how to write a tool call, told to the model after a malformed one
 
-    def __init__(self, tokenizer: Any, reasoning_effort: str = "medium"):
+    def __init__(self, tokenizer: Any, reasoning_effort: str = "medium", tool_prompt: str = ""):
         self.tokenizer = tokenizer
-        self.reasoning_effort = reasoning_effort
+        self.reasoning_effort = reasoning_effort  # harmony
+        self.tool_prompt = tool_prompt  # hermes with a template that cannot declare tools
         self.stop_ids = self._stop_ids()
 
     # --------------------------------------------------------------------- to implement

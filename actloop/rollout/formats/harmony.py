@@ -77,10 +77,10 @@ class HarmonyFormat(ChatFormat):
     name = "harmony"
     tool_call_hint = HARMONY_HINT
 
-    def __init__(self, tokenizer: Any, reasoning_effort: str = "medium"):
+    def __init__(self, tokenizer: Any, reasoning_effort: str = "medium", tool_prompt: str = ""):
         if reasoning_effort not in REASONING_EFFORTS:
             raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got `{reasoning_effort}`")
-        super().__init__(tokenizer, reasoning_effort)
+        super().__init__(tokenizer, reasoning_effort, tool_prompt)
 
     @classmethod
     def matches(cls, tokenizer: Any) -> bool:

@@ -7,7 +7,8 @@ Tool call (Hermes style, as Qwen, SmolLM2's demo and others use)::
 Prompts are rendered by the tokenizer's chat template with placeholders in place of message
 contents; the template's markup is tokenized as the template wrote it and the contents as
 literal text (no control tokens). Tool schemas go to `apply_chat_template(tools=...)` when the
-template knows `tools`; otherwise `default_tool_prompt` is appended to the system message.
+template knows `tools`; otherwise the system message becomes `tool_system_prompt` (the task's
+system message, then a line per tool and how to call one; `rollout.tool_prompt` rewrites it).
 Tool results go back as a `tool` message when the template has a tool role, else as a user turn
 `<tool_response>\\n...\\n</tool_response>`.
 
@@ -69,23 +70,27 @@ def _signature(fn: dict[str, Any]) -> str:
     return f"{fn['name']}({args})"
 
 
-def default_tool_prompt(tools: list[dict[str, Any]]) -> str:
-    """The one tool prompt for chat templates without tool support (SmolLM2's): a line per tool
-    and the call spelled out for the first one, e.g.
+DEFAULT_TOOL_PROMPT = "{system}\n\nYou can call these tools:\n{tools}\nCall a tool as {call} and wait for its result."
+
+
+def tool_system_prompt(system: str, tools: list[dict[str, Any]], template: str = "") -> str:
+    """The system message for a chat template without tool support (SmolLM2's): `template`
+    (`rollout.tool_prompt`; empty = DEFAULT_TOOL_PROMPT) with `{system}` = the task's system
+    message, `{tools}` = a line per tool, `{call}` = a call of the first tool spelled out, e.g.
+
+        <the task's system message>
 
         You can call these tools:
         - calculator(expression: string): Evaluate an arithmetic expression ...
         Call a tool as <tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> and wait for its result.
     """
     fns = function_schemas(tools)
-    lines = ["You can call these tools:"]
-    lines += [f"- {_signature(fn)}: {fn.get('description', '').strip()}".rstrip(": ") for fn in fns]
-    first = fns[0]
-    params = first.get("parameters") or {}
+    lines = "\n".join(f"- {_signature(fn)}: {fn.get('description', '').strip()}".rstrip(": ") for fn in fns)
+    params = fns[0].get("parameters") or {}
     example_args = {k: "..." for k in (params.get("required") or list((params.get("properties") or {}))[:1])}
-    example = json.dumps({"name": first["name"], "arguments": example_args})
-    lines.append(f"Call a tool as {TOOL_CALL_OPEN}{example}{TOOL_CALL_CLOSE} and wait for its result.")
-    return "\n".join(lines)
+    call = f"{TOOL_CALL_OPEN}{json.dumps({'name': fns[0]['name'], 'arguments': example_args})}{TOOL_CALL_CLOSE}"
+    text = (template or DEFAULT_TOOL_PROMPT).replace("{tools}", lines).replace("{call}", call)
+    return text.replace("{system}", system).strip()
 
 
 class HermesFormat(ChatFormat):
@@ -93,13 +98,13 @@ class HermesFormat(ChatFormat):
     stop_strings = (TOOL_CALL_CLOSE,)
     tool_call_hint = HERMES_HINT
 
-    def __init__(self, tokenizer: Any, reasoning_effort: str = "medium"):
+    def __init__(self, tokenizer: Any, reasoning_effort: str = "medium", tool_prompt: str = ""):
         template = tokenizer.chat_template or ""
         if not template:
             raise ValueError("tokenizer has no chat template; actloop needs a chat model")
         self.has_tool_role = "tool" in template
         self.template_tools = "tools" in template  # the template renders `tools=` itself
-        super().__init__(tokenizer, reasoning_effort)
+        super().__init__(tokenizer, reasoning_effort, tool_prompt)
 
     @classmethod
     def matches(cls, tokenizer: Any) -> bool:
@@ -119,11 +124,8 @@ class HermesFormat(ChatFormat):
 
         messages = list(messages)
         if tools and not self.template_tools:  # the template cannot declare tools: our one tool prompt
-            prompt = default_tool_prompt(tools)
-            if messages and messages[0].role == "system":
-                messages[0] = Message("system", f"{messages[0].content}\n\n{prompt}")
-            else:
-                messages.insert(0, Message("system", prompt))
+            system = messages.pop(0).content if messages and messages[0].role == "system" else ""
+            messages.insert(0, Message("system", tool_system_prompt(system, tools, self.tool_prompt)))
         out = []
         for m in messages:
             if m.role == "assistant":
