@@ -13,10 +13,11 @@ from rich.table import Table
 
 from actloop.config import ConfigError, all_keys, load_config, type_name
 from actloop.data.jsonl import DataError
-from actloop.models import ModelError, load_models
+from actloop.models import ModelError, load_models, load_tokenizer, resolve_model
 from actloop.monitor.report import build_report
 from actloop.rewards import RewardError
 from actloop.rollout.engine import HFEngine
+from actloop.rollout.preview import preview_episode
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox.cli import app as sandbox_app
 from actloop.tasks.registry import BUILTIN, build_task, find_row, grade_one, grade_rows, resolve
@@ -186,13 +187,6 @@ def render_cmd(
 ) -> None:
     """How a task's episode looks to a model: the prompt (loss mask per span), the chat format, and
     for each --reply the parsed tool calls and the environment's answer."""
-    from transformers import AutoTokenizer
-
-    from actloop.data.tasks import build_task
-    from actloop.models import resolve_model
-    from actloop.rollout.preview import preview_episode
-    from actloop.rollout.renderer import Renderer
-
     overrides = [f"model={model}", f"data.task={task}", "data.train_size=1", "data.eval_size=1", f"seed={seed}",
                  f"rollout.chat_format={chat_format}", f"rollout.reasoning_effort={reasoning_effort}"]
     try:
@@ -201,7 +195,7 @@ def render_cmd(
         rows = t.train_rows or t.eval_rows
         if not rows:
             _fail(f"{task} has no rows to render")
-        renderer = Renderer.from_config(AutoTokenizer.from_pretrained(resolve_model(cfg.model)), cfg)
+        renderer = Renderer.from_config(load_tokenizer(resolve_model(cfg.model)), cfg)
         res = preview_episode(renderer, t.make_env(), rows[0], list(reply or []))
     except USER_ERRORS as e:
         _fail(str(e))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actloop.envs.calculator import TOOL_SCHEMA, CalculatorEnv
+from actloop.tasks.calculator import CalculatorEnv
 from actloop.rewards.base import call_reward_func
 from actloop.rollout.engine import Completion, SamplingParams
 from actloop.rollout.episodes import run_episodes
@@ -19,6 +19,7 @@ from actloop.train.pairs import masked_spans, render_conversation
 from actloop.types import Message, Scored, ToolCall
 
 ROOT = Path(__file__).resolve().parents[2]
+TOOLS = CalculatorEnv().tool_schemas()  # the calculator's tool, declared as an OpenAI function schema
 ROW = {"question": "What is 12 times 13, plus 5?", "answer": 161}
 
 # per format: the turns a policy would sample (a tool call, then the answer), in its own spelling
@@ -114,7 +115,7 @@ def test_qwen3_template_drops_reasoning_on_rerender_but_the_trajectory_keeps_it(
     eng = ScriptedEngine(r, SCRIPTS["qwen3"])
     [t] = run_episodes(eng, r, lambda: CalculatorEnv(shots=[]), [ROW], SamplingParams(max_new_tokens=64), 3)
     history = t.messages + [Message("user", "And 2 + 2?")]  # a later user turn: the template drops <think>
-    rerendered = r.history_text(history, [TOOL_SCHEMA])
+    rerendered = r.history_text(history, TOOLS)
     assert "The tool said 161." not in rerendered
     assert "The tool said 161." in r.decode(t.input_ids)
 
@@ -138,7 +139,7 @@ def test_harmony_parses_every_tool_call_spelling(tokenizers):
 
 def test_harmony_prompt_declares_tools_and_reasoning_effort(tokenizers):
     r = Renderer(tokenizers["harmony"], reasoning_effort="high")
-    text = r.prompt_text([Message("system", "Be brief."), Message("user", "hi")], [TOOL_SCHEMA])
+    text = r.prompt_text([Message("system", "Be brief."), Message("user", "hi")], TOOLS)
     assert "Reasoning: high" in text and "# Instructions\n\nBe brief." in text
     assert "namespace functions {\n\n// Evaluate an arithmetic" in text and "expression: string," in text
     assert text.endswith("<|start|>user<|message|>hi<|end|><|start|>assistant")
@@ -230,7 +231,7 @@ def test_sft_rows_with_openai_tool_calls_train_the_formats_spelling(tokenizers, 
                                                           "arguments": '{"expression": "12 * 13 + 5"}'}}]},
         {"role": "tool", "name": "calculator", "content": "161"},
         {"role": "assistant", "content": "The answer is 161."}], "row 1")
-    seq = render_conversation(r, [Message("user", ROW["question"])], completion, [TOOL_SCHEMA])
+    seq = render_conversation(r, [Message("user", ROW["question"])], completion, TOOLS)
     spans = [r.decode(s) for s in masked_spans(seq.ids, seq.mask)]
     msg, parsed = r.assistant_message(masked_spans(seq.ids, seq.mask)[0])
     assert [(c.name, c.arguments) for c in msg.tool_calls] == [("calculator", {"expression": "12 * 13 + 5"})]
@@ -242,7 +243,7 @@ def test_sft_rows_with_openai_tool_calls_train_the_formats_spelling(tokenizers, 
 def test_tool_prompt_can_reproduce_the_hand_written_calculator_prompt(tokenizer):
     """rollout.tool_prompt: a calculator whose tools are only declared as schemas can get
     token for token the prompt the demo was tuned on (the tool format hand-written in SYSTEM)."""
-    from actloop.envs.calculator import SYSTEM
+    from actloop.tasks.calculator import SYSTEM
 
     row = {"question": "What is 12 times 13, plus 5?"}
     today, tools = CalculatorEnv().reset(row)
