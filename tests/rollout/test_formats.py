@@ -257,3 +257,15 @@ def test_tool_prompt_can_reproduce_the_hand_written_calculator_prompt(tokenizer)
     assert ("The answer is N.\n\nYou can call these tools:\n- calculator(expression: string): Evaluate an arithmetic "
             'expression with + - * / // % ** and parentheses.\nCall a tool as <tool_call>{"name": "calculator", '
             '"arguments": {"expression": "..."}}</tool_call> and wait for its result.<|im_end|>') in text
+
+
+def test_harmony_prompt_matches_the_gpt_oss_template_but_for_the_date(tokenizers):
+    """The hand-written Harmony prompt is the gpt-oss-style template's (tests/fixtures), without
+    its `Current date:` line (left out so prompts do not change from day to day)."""
+    import re
+
+    tok = tokenizers["harmony"]
+    messages, tools = CalculatorEnv(shots=[]).reset(ROW)
+    theirs = tok.apply_chat_template([m.to_dict() for m in messages], tools=tools, tokenize=False,
+                                     add_generation_prompt=True)
+    assert Renderer(tok).prompt_text(messages, tools) == re.sub(r"Current date: [\d-]+\n", "", theirs)
