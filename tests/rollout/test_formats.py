@@ -14,7 +14,7 @@ from actloop.rewards.base import call_reward_func
 from actloop.rollout.engine import Completion, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.formats import detect
-from actloop.rollout.renderer import Renderer
+from actloop.rollout.renderer import Renderer, parse_tool_calls
 from actloop.train.pairs import masked_spans, render_conversation
 from actloop.types import Message, Scored, ToolCall
 
@@ -250,7 +250,10 @@ def test_tool_prompt_can_reproduce_the_hand_written_calculator_prompt(tokenizer)
     assert SYSTEM in today[0].content
     template = ("You are a careful assistant with a calculator tool. For any arithmetic, call the tool as {call} "
                 "and wait for its result. {system}")
-    switched = [Message("system", "Then reply with the final answer as: The answer is N."), *today[1:]]
+    # worked examples whose calls are ToolCalls (so that every format spells them its own way)
+    shots = [Message("assistant", "", tool_calls=(ToolCall("calculator", parse_tool_calls(m.content).calls[0].arguments),))
+             if m.role == "assistant" and m.content.startswith("<tool_call>") else m for m in today[1:]]
+    switched = [Message("system", "Then reply with the final answer as: The answer is N."), *shots]
     assert Renderer(tokenizer, tool_prompt=template).prompt_ids(switched, tools) == Renderer(tokenizer).prompt_ids(today)
     # the default: the task's system message, a line per tool, how to call one
     text = Renderer(tokenizer).prompt_text(switched, tools)
