@@ -14,10 +14,11 @@ from rich.table import Table
 
 from actloop.config import ConfigError, all_keys, load_config, type_name
 from actloop.data.jsonl import DataError
-from actloop.models import ModelError, load_models
+from actloop.models import ModelError, load_models, load_tokenizer, resolve_model
 from actloop.monitor.report import build_report
 from actloop.rewards import RewardError
 from actloop.rollout.engine import HFEngine
+from actloop.rollout.preview import preview_episode
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox.cli import app as sandbox_app
 from actloop.tasks.registry import BUILTIN, build_task, find_row, grade_one, grade_rows, resolve
@@ -134,7 +135,7 @@ def eval_cmd(
         models = load_models(cfg.model)
     except USER_ERRORS as e:
         _fail(str(e))
-    renderer = Renderer(models.tokenizer)
+    renderer = Renderer.from_config(models.tokenizer, cfg)
     engine = HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings)
     try:
         res = evaluate(engine, renderer, t, t.eval_rows, max_new_tokens, max_turns, samples_per_problem=samples,
@@ -188,6 +189,55 @@ def _eval_table(res: dict) -> Table:
                      f"truncated {res['truncated_rate']:.1%}, masked {res['masked']}, {res['seconds']:.0f}s "
                      f"(rollout {res['rollout_seconds']:.0f}s, grading {res['grading_seconds']:.0f}s)")
     return table
+
+
+@app.command("render")
+def render_cmd(
+    model: str = typer.Option("smollm2-135m-instruct", "--model", help="Model name or directory (its tokenizer is used)."),
+    task: str = typer.Option("calculator", "--task", help="The task whose first training row is rendered."),
+    reply: Optional[list[str]] = typer.Option(None, "--reply", help="A hypothetical assistant turn, in the format's "
+                                              "own spelling; repeat for several turns."),
+    chat_format: str = typer.Option("auto", "--chat-format", help="auto, hermes, qwen3 or harmony."),
+    reasoning_effort: str = typer.Option("medium", "--reasoning-effort", help="harmony: low, medium or high."),
+    seed: int = typer.Option(0, "--seed", help="Seed of generated splits."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """How a task's episode looks to a model: the prompt (loss mask per span), the chat format, and
+    for each --reply the parsed tool calls and the environment's answer."""
+    overrides = [f"model={model}", f"data.task={task}", "data.train_size=1", "data.eval_size=1", f"seed={seed}",
+                 f"rollout.chat_format={chat_format}", f"rollout.reasoning_effort={reasoning_effort}"]
+    try:
+        cfg = load_config(None, overrides)
+        t = build_task(cfg)
+        rows = t.train_rows or t.eval_rows
+        if not rows:
+            _fail(f"{task} has no rows to render")
+        renderer = Renderer.from_config(load_tokenizer(resolve_model(cfg.model)), cfg)
+        res = preview_episode(renderer, t.make_env(), rows[0], list(reply or []))
+    except USER_ERRORS as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(res, default=str))
+        return
+    console.print(f"[bold]chat format:[/bold] {res['format']}   stop ids {res['stop_ids']}   "
+                  f"stop strings {res['stop_strings']}   tools {res['tools']}")
+    for span in res["spans"]:
+        style = "green" if span["mask"] else "dim"
+        console.rule(f"{span['kind']}: {span['tokens']} tokens, loss mask {span['mask']}", style=style)
+        console.print(span["text"], style=style, markup=False, highlight=False)
+    for i, r in enumerate(res["replies"], 1):
+        console.rule(f"reply {i}")
+        if r.get("skipped"):
+            console.print(r["skipped"])
+            continue
+        calls = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in r["tool_calls"]) or "none"
+        console.print(f"tool calls: {calls}", markup=False, highlight=False)
+        if r["reasoning"]:
+            console.print(f"reasoning: {r['reasoning']}", markup=False, highlight=False)
+        if r["parse_error"]:
+            console.print(f"parse error: {r['parse_error']}", markup=False, highlight=False)
+        console.print(f"environment: {r['env_reply'] or '(nothing)'}{'  [episode done]' if r['done'] else ''}",
+                      markup=False, highlight=False)
 
 
 @app.command("report")

@@ -114,6 +114,18 @@ class RolloutConfig:
     temperature: float = opt(0.8, "Sampling temperature during training rollouts (log-probs use it too).")
     top_p: float = opt(1.0, "Nucleus sampling during training rollouts (1.0 = off).")
     max_turns: int = opt(3, "Most assistant turns in one episode before it is cut off.")
+    max_context: int = opt(
+        4096, "Most tokens in one episode (prompt + every turn + tool results); an episode whose next turn would "
+        "not fit is ended and counted as `truncated_context`.")
+    chat_format: str = opt(
+        "auto", "How prompts, tool calls and reasoning are written in tokens: `auto` (detected from the tokenizer), "
+        "`hermes` (<tool_call> JSON), `qwen3` (<think> + Hermes calls), `harmony` (gpt-oss channels); docs/models.md.")
+    reasoning_effort: str = opt(
+        "medium", "harmony: `low`, `medium` or `high`, written as `Reasoning: ...` in the system message.")
+    tool_prompt: str = opt(
+        "", "hermes, for a chat template that cannot declare tools (SmolLM2's): the system message, with `{system}` "
+        "(the task's), `{tools}` (a line per tool), `{call}` (a call spelled out); empty = the default, "
+        "`{system}` + tool lines + how to call (docs/models.md).")
     engine: str = opt(
         "hf",
         "Generation engine: `hf` (transformers with a KV cache, in this process), `vllm` (vLLM colocated on the "
@@ -684,6 +696,9 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         _one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "vllm-server", "ray")),
+        _one_of("rollout.chat_format", cfg.rollout.chat_format, ("auto", "hermes", "qwen3", "harmony")),
+        _one_of("rollout.reasoning_effort", cfg.rollout.reasoning_effort, ("low", "medium", "high")),
+        (cfg.rollout.max_context > cfg.rollout.max_new_tokens, "rollout.max_context must be > rollout.max_new_tokens"),
         _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
         (cfg.rollout.engine_retries >= 0, "rollout.engine_retries must be >= 0"),

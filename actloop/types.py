@@ -28,12 +28,14 @@ class ToolCall:
 @dataclass(frozen=True)
 class Message:
     """One chat message. `tool_calls` is filled by the renderer's parser for assistant messages;
-    `name` names the tool for a `tool` message."""
+    `name` names the tool for a `tool` message. `reasoning` is an assistant's chain of thought
+    (Qwen3 `<think>`, Harmony `analysis`), kept apart from `content` (the answer it gives)."""
 
     role: Role
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     name: str | None = None
+    reasoning: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -79,6 +81,7 @@ class Trajectory:
     # MoE engines: the experts the engine routed each input position to, [<= L - 1, MoE layers, k]
     # (the first computation of each position; routing replay, actloop/models/routing.py); else None
     routing: Any = None
+    truncated_context: bool = False  # ended because the next turn would not fit in max_context
 
     @property
     def input_ids(self) -> list[int]:
@@ -116,6 +119,11 @@ class Trajectory:
     def final_text(self) -> str:
         """The last assistant message's text ('' when the episode has no turn)."""
         return self.turns[-1].message.content if self.turns else ""
+
+    @property
+    def reasoning(self) -> str:
+        """Every assistant turn's reasoning (chain of thought), turns separated by blank lines."""
+        return "\n\n".join(t.message.reasoning for t in self.turns if t.message.reasoning)
 
     @property
     def transcript(self) -> str:

@@ -49,6 +49,8 @@ def sample_record(step: int, group: int, tag: str, s: Scored, max_chars: int = 2
         d: dict[str, Any] = {"role": m.role, "content": m.content[:max_chars]}
         if m.name:
             d["name"] = m.name
+        if m.reasoning:
+            d["reasoning"] = m.reasoning[:max_chars]
         if m.tool_calls:
             d["tool_calls"] = [{"name": c.name, "arguments": _jsonable(c.arguments)} for c in m.tool_calls]
         if i < n_prompt:
@@ -67,6 +69,7 @@ def sample_record(step: int, group: int, tag: str, s: Scored, max_chars: int = 2
         "response_tokens": t.num_response_tokens,
         "tool_calls": t.num_tool_calls,
         "truncated": t.truncated,
+        "truncated_context": t.truncated_context,
         "messages": messages,
         "row": {k: _jsonable(v) for k, v in t.row.items() if k != "prompt"},
     }

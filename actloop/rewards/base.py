@@ -3,12 +3,14 @@
     def my_reward(prompts, completions, **columns) -> list[float | None]
 
 - `prompts`: each row's chat prompt, a list of {"role", "content"} dicts (TRL's conversational form);
-- `completions`: plain strings — the final assistant message, or the whole transcript after the
-  prompt when `reward.completion=transcript`;
+- `completions`: plain strings — the final assistant message's answer (its reasoning left out:
+  Qwen3 `<think>`, Harmony `analysis`), or the whole transcript after the prompt when
+  `reward.completion=transcript`;
 - every other column of the dataset row arrives as a keyword argument holding one value per
   completion (e.g. `answer_keys`); a function that names a `transcripts` parameter also gets every
   message after the prompt as one string per completion; one that names `trajectories` gets the
-  full `Trajectory` objects (turns, tool calls, token counts).
+  full `Trajectory` objects (turns, tool calls, token counts); one that names `reasoning` gets every
+  assistant turn's reasoning as one string per completion ('' for a model that does not reason).
 - `None` means "not applicable" and is left out of the weighted total.
 """
 
@@ -117,6 +119,8 @@ def call_reward_func(fn: RewardFunc, trajectories: list[Trajectory], mode: str =
         columns[k] = [t.row.get(k) for t in trajectories]
     if wants(fn, "trajectories"):
         columns["trajectories"] = trajectories
+    if wants(fn, "reasoning"):  # the chain of thought, only for functions that ask for it
+        columns["reasoning"] = [t.reasoning for t in trajectories]
     if wants(fn, "transcripts"):  # the whole multi-turn transcript, for functions that ask for it
         columns["transcripts"] = [t.transcript for t in trajectories]
     out = fn(prompts=prompts, completions=completions, **columns)

@@ -7,6 +7,12 @@
 A failure inside one episode (an environment that raises, a reset on a bad row, a generation
 request the engine could not serve) is recorded on that trajectory as `error` and the others go
 on; the trainer masks it from the loss.
+
+The tool schemas `Env.reset` returns go to the renderer with the prompt (the chat format
+declares them). An episode whose next turn would not fit in `max_context` (ids so far + the
+environment's answer + `max_new_tokens`) is ended there and marked `truncated_context`
+(counted per step, written to samples.jsonl); a prompt that does not fit at all is a recorded
+error.
 """
 
 from __future__ import annotations
@@ -20,9 +26,6 @@ from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.renderer import Renderer
 from actloop.types import Message, Trajectory, Turn
 
-MALFORMED_HINT = (
-    'Write a tool call exactly as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
-)
 
 
 @dataclass
@@ -37,6 +40,7 @@ class _Episode:
     done: bool = False
     error: str | None = None
     routing: list[Any] = field(default_factory=list)  # MoE: per-position expert ids, as first computed
+    truncated_context: bool = False
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -47,6 +51,7 @@ class _Episode:
             info=self.info,
             error=self.error,
             routing=_cat(self.routing),
+            truncated_context=self.truncated_context,
         )
 
     def record_routing(self, routing: Any) -> None:
@@ -84,12 +89,16 @@ def run_episodes(
     for row in rows:
         ep = _Episode(env=make_env(), row=row)
         try:
-            messages, _tools = ep.env.reset(row)
+            messages, tools = ep.env.reset(row)
             ep.prompt_messages = list(messages)
-            ep.prompt_ids = renderer.prompt_ids(messages)
+            ep.prompt_ids = renderer.prompt_ids(messages, tools or ())
             ep.ids = list(ep.prompt_ids)
         except Exception:
             ep.error, ep.done = _error_text(), True
+        if not ep.done and len(ep.ids) + params.max_new_tokens > max_context:
+            ep.done, ep.truncated_context = True, True
+            ep.error = (f"the prompt ({len(ep.ids)} tokens) + max_new_tokens ({params.max_new_tokens}) does not fit in "
+                        f"max_context ({max_context})")
         episodes.append(ep)
 
     for turn_index in range(max_turns):
@@ -111,7 +120,7 @@ def run_episodes(
             if comp.finish_reason == "length":
                 ep.done = True  # cut off mid-turn: nothing sensible to feed back
             elif malformed:
-                env_messages = [Message("tool", f"Error: {parsed.error}. {MALFORMED_HINT}")]
+                env_messages = [Message("tool", f"Error: {parsed.error}. {renderer.tool_call_hint}")]
             else:
                 try:
                     result = ep.env.step(message)
@@ -128,7 +137,7 @@ def run_episodes(
                 except Exception:  # the environment answered with something that cannot be rendered
                     ep.error, ep.done, env_messages = _error_text(), True, []
                 if len(ep.ids) + len(comp.token_ids) + len(env_ids) + params.max_new_tokens > max_context:
-                    ep.done, env_ids = True, []
+                    ep.done, ep.truncated_context, env_ids = True, True, []
             finish = "length" if comp.finish_reason == "length" else (
                 "tool_call" if (message.tool_calls or malformed) else "stop")
             ep.turns.append(

@@ -82,7 +82,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
         self.models.policy.to(device)
-        self.renderer = Renderer(self.models.tokenizer)
+        self.renderer = Renderer.from_config(self.models.tokenizer, cfg)
         self.engine = HFEngine(self.models.policy, self.models.tokenizer, self.renderer.eos_token_ids,
                                self.renderer.stop_strings, precision=cfg.train.precision,
                                weights="copy")  # LoRA: merged into the bf16 copy at each sync

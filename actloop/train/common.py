@@ -68,7 +68,7 @@ class Run:
             print_fn(f"evaluating on {describe_eval(cfg, self.task)}")
         self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference,
                                           attn_implementation=cfg.train.attn_implementation)
-        self.renderer = Renderer(self.models.tokenizer)
+        self.renderer = Renderer.from_config(self.models.tokenizer, cfg)
         # the same engine as the GRPO loop (its own bf16 copy, LoRA merged in), so that
         # eval_before of every algorithm on one model is the same number
         self.engine = make_engine(cfg, self.models, self.renderer)
@@ -98,7 +98,7 @@ class Run:
             return
         self.engine.sync_weights(self.models.policy)
         res = evaluate(self.engine, self.renderer, self.task, self.task.eval_rows, self.cfg.rollout.max_new_tokens,
-                       self.cfg.rollout.max_turns)
+                       self.cfg.rollout.max_turns, max_context=self.cfg.rollout.max_context)
         self.summary[label] = res
         self.print(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
 

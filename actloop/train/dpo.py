@@ -142,7 +142,7 @@ def sample_pairs(cfg: Config, run: Run, print_fn=print) -> list[Pair]:
         for start in range(0, n_prompts, P):
             rows = sampler.next(min(P, n_prompts - start))
             trajs = (run.task.rollout or run_episodes)(run.engine, run.renderer, run.task.make_env, [r for r in rows for _ in range(G)],
-                                 sampling, cfg.rollout.max_turns)
+                                 sampling, cfg.rollout.max_turns, cfg.rollout.max_context)
             scored = run.task.rubric.score(trajs)
             rewards = torch.tensor([s.reward for s in scored]).view(-1, G)
             valid = torch.tensor([not s.masked for s in scored]).view(-1, G)
@@ -256,7 +256,7 @@ def train_online_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunR
             rows = sampler.next(cfg.train.prompts_per_step)
             tok0 = run.engine.generated_tokens
             trajs = (run.task.rollout or run_episodes)(run.engine, run.renderer, run.task.make_env, [r for r in rows for _ in range(G)],
-                                 sampling, cfg.rollout.max_turns)
+                                 sampling, cfg.rollout.max_turns, cfg.rollout.max_context)
             t1 = time.time()
             scored = run.task.rubric.score(trajs)
             t2 = time.time()

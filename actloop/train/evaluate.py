@@ -47,7 +47,7 @@ def row_id(row: dict[str, Any], index: int) -> Any:
 def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[dict[str, Any]], max_new_tokens: int,
              max_turns: int, *, samples_per_problem: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              ks: Sequence[int] | None = None, grade_workers: int | None = None,
-             keep_samples: int = 3, keep_problems: bool = False) -> dict[str, Any]:
+             keep_samples: int = 3, keep_problems: bool = False, max_context: int = 4096) -> dict[str, Any]:
     """Success rate (greedy when `temperature` is 0), mean reward, tool use, and with several
     samples per problem pass@k for each k in `ks` (default 1 and `samples_per_problem`).
     `grade_workers` sandboxes grade at once; `keep_problems` adds one record per problem."""
@@ -60,7 +60,7 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
               SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p))
     t0 = time.time()
     trajs = (task.rollout or run_episodes)(engine, renderer, task.make_env, [r for r in rows for _ in range(k_samples)], params,
-                         max_turns)
+                         max_turns, max_context)
     t_roll = time.time()
     scored = task.rubric.score(trajs)
     t_grade = time.time()
@@ -70,6 +70,7 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
         "malformed_rate": mean(t.num_malformed_calls > 0 for t in trajs),
         "truncated_rate": mean(t.truncated for t in trajs),
+        "truncated_context": sum(t.truncated_context for t in trajs),
         "masked": sum(s.masked for s in scored),
         "n": len(rows),
         "samples_per_problem": k_samples,

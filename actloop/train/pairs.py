@@ -3,11 +3,12 @@
 A conversation is rendered exactly as a rollout of it would be (tokens in, tokens out):
 
     prompt messages ─► Renderer.prompt_ids                                          mask 0
-    assistant turn  ─► encode(content) (+ end-of-turn token unless it ends a tool call) mask 1
+    assistant turn  ─► encode(Renderer.assistant_text(message)): content, reasoning and  mask 1
+                       tool calls as sampled, with the stop token the policy samples
     tool / user     ─► Renderer.continuation_ids (closing tags, tool results, next   mask 0
                        generation prompt), as the renderer does for the template
 
-so the loss covers the assistant turns only, and an assistant turn that ends with
+so the loss covers the assistant turns only, and (Hermes) an assistant turn that ends with
 `</tool_call>` is not followed by a trained end-of-turn token (the engine stops on that string;
 the renderer closes the turn with mask 0). `tests/train/test_sft.py` checks that a calculator
 gold trace rendered here has the very ids and mask that a rollout of the same turns produces.
@@ -21,8 +22,9 @@ Row formats (JSONL, one object per line; a malformed row fails with its file and
                        first assistant message; every assistant message is trained on)
                       or {"prompt": ..., "completion": "text" | [messages...]}
 
-Assistant messages may carry OpenAI-style `tool_calls` ([{"function": {"name", "arguments"}}]);
-they are written into the content in the Hermes format the renderer parses.
+Assistant messages may carry OpenAI-style `tool_calls` ([{"function": {"name", "arguments"}}])
+and `reasoning_content`; the renderer writes them in the model's chat format (Hermes, Qwen3,
+Harmony: `Renderer.assistant_text`), as the policy would sample them.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from actloop.data.jsonl import ROLES, DataError, read_jsonl_objects, validate_row
-from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer
+from actloop.rollout.renderer import Renderer
 from actloop.tasks.calculator import CalculatorEnv, _example
-from actloop.types import Message
+from actloop.types import Message, ToolCall
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class Pair:
 # ------------------------------------------------------------------------------------ rendering
 
 
-def _hermes_calls(calls: Any, where: str) -> str:
-    """OpenAI-style tool_calls -> Hermes `<tool_call>{...}</tool_call>` text."""
+def _tool_calls(calls: Any, where: str) -> tuple[ToolCall, ...]:
+    """OpenAI-style tool_calls -> ToolCalls (the renderer spells them in the model's format)."""
     out = []
     for c in calls:
         fn = c.get("function", c) if isinstance(c, dict) else None
@@ -75,8 +77,10 @@ def _hermes_calls(calls: Any, where: str) -> str:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 raise DataError(f"{where}: tool call arguments are not valid JSON: {args!r:.120}") from None
-        out.append(f"{TOOL_CALL_OPEN}{json.dumps({'name': fn['name'], 'arguments': args})}{TOOL_CALL_CLOSE}")
-    return "".join(out)
+        if not isinstance(args, dict):
+            raise DataError(f"{where}: tool call arguments must be a JSON object, got {args!r:.120}")
+        out.append(ToolCall(fn["name"], args))
+    return tuple(out)
 
 
 def to_messages(items: Any, where: str) -> list[Message]:
@@ -93,30 +97,20 @@ def to_messages(items: Any, where: str) -> list[Message]:
             content = ""
         if not isinstance(content, str):
             raise DataError(f"{where}: message {j} has no string `content`: {m!r:.120}")
+        calls: tuple[ToolCall, ...] = ()
         if m["role"] == "assistant" and m.get("tool_calls"):
-            content = content + _hermes_calls(m["tool_calls"], f"{where}: message {j}")
-        out.append(Message(m["role"], content, name=m.get("name")))
+            calls = _tool_calls(m["tool_calls"], f"{where}: message {j}")
+        reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
+        out.append(Message(m["role"], content, tool_calls=calls, name=m.get("name"),
+                           reasoning=reasoning if isinstance(reasoning, str) else ""))
     return out
 
 
-def ends_with_tool_call(text: str) -> bool:
-    """The engine stops sampling at `</tool_call>`: such a turn has no sampled end-of-turn token."""
-    return text.rstrip().endswith(TOOL_CALL_CLOSE)
-
-
-def _end_of_turn_id(renderer: Renderer) -> int | None:
-    """The token that closes an assistant turn in this template, when it is the EOS token."""
-    closing = renderer.continuation_text([], ended_with_eos=False)
-    if renderer.eos_text and closing.startswith(renderer.eos_text):
-        ids = renderer.encode(renderer.eos_text)
-        if len(ids) == 1:
-            return ids[0]
-    return None
-
-
-def render_conversation(renderer: Renderer, prompt: list[Message], completion: list[Message]) -> Sequence:
+def render_conversation(renderer: Renderer, prompt: list[Message], completion: list[Message],
+                        tools: list[dict[str, Any]] | tuple = ()) -> Sequence:
     """prompt (ends before the first assistant turn) + completion (starts with an assistant turn)
-    -> ids and a mask that is 1 exactly on the assistant turns (and their end-of-turn token)."""
+    -> ids and a mask that is 1 exactly on the assistant turns (and their end-of-turn token).
+    `tools`: the tool schemas declared in the prompt, as the environment's `reset` returns them."""
     if not completion or completion[0].role != "assistant":
         raise ValueError("a completion must start with an assistant message")
     turns: list[tuple[Message, list[Message]]] = []
@@ -125,12 +119,11 @@ def render_conversation(renderer: Renderer, prompt: list[Message], completion: l
             turns.append((m, []))
         else:
             turns[-1][1].append(m)
-    eot = _end_of_turn_id(renderer)
-    ids = renderer.prompt_ids(prompt)
+    ids = renderer.prompt_ids(prompt, tools)
     mask = [0] * len(ids)
     for k, (msg, env) in enumerate(turns):
-        ended_with_eos = not ends_with_tool_call(msg.content) and eot is not None
-        turn_ids = renderer.encode(msg.content) + ([eot] if ended_with_eos else [])
+        text, ended_with_eos = renderer.assistant_text(msg)  # as the policy samples it, in the model's format
+        turn_ids = renderer.encode(text)
         ids += turn_ids
         mask += [1] * len(turn_ids)
         if k < len(turns) - 1:  # what follows is rendered as the rollout loop renders env messages
@@ -227,7 +220,8 @@ def calculator_gold_messages(row: dict[str, Any]) -> tuple[list[Message], list[M
 
 
 def calculator_gold_sequences(rows: list[dict[str, Any]], renderer: Renderer) -> list[Sequence]:
-    return [render_conversation(renderer, *calculator_gold_messages(r)) for r in rows]
+    tools = CalculatorEnv().tool_schemas()  # declared in the prompt, as in a rollout
+    return [render_conversation(renderer, *calculator_gold_messages(r), tools=tools) for r in rows]
 
 
 def messages_json(messages) -> list[dict[str, Any]]:

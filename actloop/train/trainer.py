@@ -101,10 +101,10 @@ def rollout_groups(cfg: Config, task: LoadedTask, engine, renderer, sampler: Pro
         rows = sampler.next(n)
         episode_rows = [r for r in rows for _ in range(G)]
         if hasattr(engine, "run_episodes"):  # Ray: whole episodes, environment steps too, run on the workers
-            trajs = engine.run_episodes(episode_rows, sampling, cfg.rollout.max_turns)
+            trajs = engine.run_episodes(episode_rows, sampling, cfg.rollout.max_turns, cfg.rollout.max_context)
         else:
             trajs = (task.rollout or run_episodes)(engine, renderer, task.make_env, episode_rows, sampling,
-                                                   cfg.rollout.max_turns)
+                                                   cfg.rollout.max_turns, cfg.rollout.max_context)
         t0 = time.time()
         scored = shape_rewards(cfg, task.rubric.score(trajs))
         scoring_s += time.time() - t0
@@ -160,6 +160,7 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
         "malformed_call_rate": mean(t.num_malformed_calls > 0 for t in trajs),
         "truncated_rate": mean(t.truncated for t in trajs),
+        "truncated_context": sum(t.truncated_context for t in trajs),
         "failed_rollouts": sum(s.masked for s in scored),
     }
     record.update(per_source_metrics(scored))  # source/<name>/... when rows come from a data.mix
@@ -256,7 +257,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         require_routing(models.policy)  # a clear error for a model without a replayable MoE router
     if ckpt is not None and not dist.active:
         ckpt.load_policy(models.policy)  # before the engine copies the weights (sharded: after `prepare`)
-    renderer = Renderer(models.tokenizer)
+    renderer = Renderer.from_config(models.tokenizer, cfg)
     engine = make_engine(cfg, models, renderer)
     if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
@@ -335,7 +336,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         if not dist.is_main:  # rank 0 evaluates; the others wait for it at the next collective
             return None
         res = evaluate(engine, renderer, task, rows if rows is not None else task.eval_rows,
-                       cfg.rollout.max_new_tokens, cfg.rollout.max_turns)
+                       cfg.rollout.max_new_tokens, cfg.rollout.max_turns, max_context=cfg.rollout.max_context)
         if rows is None:
             summary[label] = res
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")

@@ -22,7 +22,7 @@ def test_parse_malformed_calls_report_errors():
 
 def test_tool_results_become_a_user_turn_without_a_tool_role(tokenizer):
     r = Renderer(tokenizer)
-    assert not r.has_tool_role  # SmolLM2's template has no tool role
+    assert not r.format.has_tool_role  # SmolLM2's template has no tool role
     text = r.continuation_text([Message("tool", "391", name="calculator")], ended_with_eos=True)
     assert text == "\n<|im_start|>user\n<tool_response>\n391\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     # a turn cut at the stop string did not sample its <|im_end|>: the renderer closes it
@@ -58,7 +58,7 @@ def test_loss_mask_decodes_to_exactly_the_assistant_turns(tokenizer):
     spans.append(cur)
     assert [r.decode(s) for s in spans] == [texts[0], texts[1] + "<|im_end|>"]
     # and the whole sequence is what the chat template renders for that conversation
-    full = tokenizer.apply_chat_template([r.as_template_message(m) for m in traj.messages], tokenize=False)
+    full = r.history_text(traj.messages)
     assert r.decode(ids) == full.rstrip("\n")  # the template ends its last turn with a newline
 
 

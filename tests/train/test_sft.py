@@ -59,7 +59,7 @@ def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokeniz
         [traj] = run_episodes(TeacherEngine(r, turns), r, CalculatorEnv, [row], SamplingParams(max_new_tokens=64), 3)
         assert list(seq.ids) == traj.input_ids and list(seq.mask) == traj.loss_mask
         # and the chat template renders the very same text for that conversation
-        full = tokenizer.apply_chat_template([r.as_template_message(m) for m in prompt + completion], tokenize=False)
+        full = r.history_text(prompt + completion, CalculatorEnv().reset(row)[1])
         assert text == full.rstrip("\n")
 
 
