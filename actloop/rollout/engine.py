@@ -261,7 +261,7 @@ class HFEngine:
                 trace.step(self._routing.take(), rows)
             next_pos = next_pos + 1
         self.generated_tokens += sum(len(t) for t in tokens)
-        return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i], trace.row(i) if trace else None)
+        return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i], routing=trace.row(i) if trace else None)
                 for i in range(B)]
 
     def _hit_stop(self, ids: list[int]) -> bool:

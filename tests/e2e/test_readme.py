@@ -72,6 +72,8 @@ def user_dir(tmp_path, monkeypatch):
         json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer_keys": str(2 * i)}) + "\n"
         for i in range(8)))
     (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
+    # the README's "Your own agent task in one file" names my_task.py: the complete example it points at
+    (tmp_path / "my_task.py").write_text((ROOT / "examples" / "tasks" / "letter_count.py").read_text())
     (tmp_path / "solution.py").write_text("print(sum(range(10)))\n")
     (tmp_path / "answer.txt").write_text("```python\ndef remove_Occ(s, ch):\n    return s.replace(ch, '', 1)[::-1]"
                                          ".replace(ch, '', 1)[::-1]\n```\n")
