@@ -124,8 +124,9 @@ class RolloutConfig:
         "medium", "harmony: `low`, `medium` or `high`, written as `Reasoning: ...` in the system message.")
     tool_prompt: str = opt(
         "", "hermes, for a chat template that cannot declare tools (SmolLM2's): the system message, with `{system}` "
-        "(the task's), `{tools}` (a line per tool), `{call}` (a call spelled out); empty = the default, "
-        "`{system}` + tool lines + how to call (docs/models.md).")
+        "(the task's), `{tools}` (a line per tool), `{call}` (a call spelled out); overrides the environment's own "
+        "`tool_prompt` wording (the calculator has one); empty = the environment's, else the default, `{system}` + "
+        "tool lines + how to call (docs/models.md).")
     engine: str = opt(
         "hf",
         "Generation engine: `hf` (transformers with a KV cache, in this process), `vllm` (vLLM colocated on the "
@@ -698,6 +699,8 @@ def validate(cfg: Config) -> None:
         _one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "vllm-server", "ray")),
         _one_of("rollout.chat_format", cfg.rollout.chat_format, ("auto", "hermes", "qwen3", "harmony")),
         _one_of("rollout.reasoning_effort", cfg.rollout.reasoning_effort, ("low", "medium", "high")),
+        (not cfg.rollout.tool_prompt or "{system}" in cfg.rollout.tool_prompt,
+         "rollout.tool_prompt must contain {system} (where the task's system message goes)"),
         (cfg.rollout.max_context > cfg.rollout.max_new_tokens, "rollout.max_context must be > rollout.max_new_tokens"),
         _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),

@@ -114,6 +114,11 @@ class MixedEnv:
         self.env = self.factories[src]()
         return self.env.reset(row)
 
+    @property
+    def tool_prompt(self) -> str:
+        """The current source's tool-prompt wording (read after `reset`)."""
+        return getattr(self.env, "tool_prompt", "") or ""
+
     def step(self, message):
         return self.env.step(message)
 

@@ -6,8 +6,12 @@
     env.close()                               # release what the episode holds (always called)
 
 `tools` are OpenAI function schemas, ``{"type": "function", "function": {"name", "description",
-"parameters": <JSON schema>}}``; the renderer shows them to the model. `ToolEnv`
-(`actloop.envs.tools`) builds them from typed Python functions. `assistant_message.tool_calls`
+"parameters": <JSON schema>}}``; the renderer shows them to the model, each chat format its own
+way, so an environment never writes a tool-call spelling into its prompt: worked examples are
+assistant messages with `tool_calls` (and `tool` result messages). `ToolEnv`
+(`actloop.envs.tools`) builds the schemas from typed Python functions. An environment may have
+a `tool_prompt` attribute: its wording of the tool prompt for chat templates that cannot declare
+tools (see `ToolEnv.tool_prompt`). `assistant_message.tool_calls`
 has already been parsed by the renderer. A malformed tool call never reaches `step`: the rollout
 loop answers it with an error message and counts it.
 """

@@ -20,6 +20,12 @@ parameter's description (`transformers.utils.get_json_schema`, the same reader t
 templates' tool support uses; a tool without a described argument is refused when the class is
 first used).
 
+Never write a tool-call spelling into the prompt: the chat format declares the tools from their
+schemas (Qwen3's and gpt-oss's templates their own way), and worked examples are assistant
+`Message`s with `tool_calls=(ToolCall(name, arguments),)` followed by `tool` messages, which each
+format spells its own way. For a chat template that cannot declare tools (SmolLM2's), the
+renderer writes a tool prompt into the system message; `tool_prompt` words it (see below).
+
 `step` runs every call of the assistant message in order and answers each with a `tool` message.
 What goes wrong is answered to the model as an ``Error: ...`` tool message and counted in
 `info["tool_errors"]`, never raised: an unknown tool, arguments that do not fit the signature or
@@ -106,6 +112,12 @@ class ToolEnv:
     """Base class for tool environments; write `prompt(row)` and the tools (see the module doc)."""
 
     tools: ClassVar[Sequence[Callable[..., Any]]] = ()  # plain functions, besides the @tool methods
+    # the wording of the tool prompt that the renderer writes for a chat template that cannot
+    # declare tools (SmolLM2's): a template with `{system}` (the prompt's system message), and
+    # optionally `{tools}` (a line per tool) and `{call}` (a call of the first tool, spelled in the
+    # format's syntax), e.g. "You have a calculator. Call it as {call}. {system}". Empty = the
+    # format's default; `rollout.tool_prompt` overrides it; formats that declare tools ignore it.
+    tool_prompt: ClassVar[str] = ""
     max_tool_calls: int | None = None  # tool calls per episode; None = only the rollout's turn limit
     # exceptions of a tool answered to the model; any other one fails the episode (recorded, masked):
     # narrow it to (ToolError,) when a tool's own exceptions mean broken infrastructure, not a bad call

@@ -9,7 +9,8 @@ request the engine could not serve) is recorded on that trajectory as `error` an
 on; the trainer masks it from the loss.
 
 The tool schemas `Env.reset` returns go to the renderer with the prompt (the chat format
-declares them). An episode whose next turn would not fit in `max_context` (ids so far + the
+declares them), with the environment's own `tool_prompt` wording where it has one
+(`open_episode`, which `actloop render` uses too). An episode whose next turn would not fit in `max_context` (ids so far + the
 environment's answer + `max_new_tokens`) is ended there and marked `truncated_context`
 (counted per step, written to samples.jsonl); a prompt that does not fit at all is a recorded
 error.
@@ -75,6 +76,16 @@ def _error_text() -> str:
     return traceback.format_exc(limit=8)
 
 
+def open_episode(renderer: Renderer, env: Env, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]], list[int]]:
+    """An episode's opening: `env.reset(row)` -> (messages, tool schemas, prompt ids). The tools
+    are declared by the chat format, in the wording of the environment's optional `tool_prompt`
+    attribute (a template for chat templates that cannot declare tools; `rollout.tool_prompt`
+    overrides it)."""
+    messages, tools = env.reset(row)
+    tools = list(tools or ())
+    return list(messages), tools, renderer.prompt_ids(messages, tools, getattr(env, "tool_prompt", "") or "")
+
+
 def run_episodes(
     engine: Engine,
     renderer: Renderer,
@@ -89,9 +100,7 @@ def run_episodes(
     for row in rows:
         ep = _Episode(env=make_env(), row=row)
         try:
-            messages, tools = ep.env.reset(row)
-            ep.prompt_messages = list(messages)
-            ep.prompt_ids = renderer.prompt_ids(messages, tools or ())
+            ep.prompt_messages, _tools, ep.prompt_ids = open_episode(renderer, ep.env, row)
             ep.ids = list(ep.prompt_ids)
         except Exception:
             ep.error, ep.done = _error_text(), True

@@ -3,8 +3,8 @@
     preview_episode(renderer, env, row, replies) -> {"format", "prompt_text", "prompt_tokens",
                                                      "spans": [...], "replies": [...]}
 
-The prompt is rendered exactly as a rollout renders it (`Renderer.prompt_ids` with the tool
-schemas `env.reset` returns). Each reply is a hypothetical assistant turn, written in the
+The prompt is rendered exactly as a rollout renders it (`episodes.open_episode`: the tool
+schemas `env.reset` returns, in the environment's `tool_prompt` wording where it has one). Each reply is a hypothetical assistant turn, written in the
 format's own spelling; it is tokenized as the policy would have sampled it (control tokens
 allowed, a stop token appended when it ends on none), parsed, answered by the environment, and
 the environment's answer rendered as the rollout loop renders it. `spans` lists the episode as
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actloop.rollout.episodes import open_episode
 from actloop.rollout.renderer import Renderer
 from actloop.types import Message
 
@@ -36,14 +37,13 @@ def reply_ids(renderer: Renderer, text: str) -> tuple[list[int], bool]:
 
 
 def preview_episode(renderer: Renderer, env: Any, row: dict[str, Any], replies: list[str]) -> dict[str, Any]:
-    messages, tools = env.reset(row)
-    prompt_ids = renderer.prompt_ids(messages, tools or ())
+    _messages, tools, prompt_ids = open_episode(renderer, env, row)
     spans = [_span(renderer, "prompt", prompt_ids, 0)]
     out: dict[str, Any] = {
         "format": renderer.format_name,
         "stop_ids": list(renderer.eos_token_ids),
         "stop_strings": list(renderer.stop_strings),
-        "tools": [t.get("function", t).get("name") for t in tools or ()],
+        "tools": [t.get("function", t).get("name") for t in tools],
         "prompt_text": renderer.decode(prompt_ids),
         "prompt_tokens": len(prompt_ids),
         "replies": [],

@@ -2,6 +2,7 @@
 
     r = Renderer(tokenizer)                      # chat format detected; or chat_format="harmony"
     ids = r.prompt_ids(messages, tools)          # the opening prompt, generation prompt appended
+    ids = r.prompt_ids(messages, tools, env.tool_prompt)   # with the environment's tool-prompt wording
     msg, parsed = r.assistant_message(sampled)   # content (final text), reasoning, tool_calls
     ids += sampled + r.continuation_ids(env_messages, ended_with_eos)   # the next prompt
     r.eos_token_ids, r.stop_strings              # where the engine stops sampling
@@ -51,18 +52,25 @@ class Renderer:
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         return self.format.decode(ids)
 
-    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = ()) -> list[Piece]:
-        return merge_pieces(self.format.prompt_pieces(list(messages), list(tools)))
+    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = (),
+                      tool_prompt: str = "") -> list[Piece]:
+        """`tool_prompt`: the environment's wording of the tool prompt, used by a format that writes
+        one itself (hermes with a template that cannot declare tools) unless `rollout.tool_prompt`
+        is set (see `formats.hermes.tool_system_prompt`)."""
+        return merge_pieces(self.format.prompt_pieces(list(messages), list(tools), tool_prompt))
 
-    def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = ()) -> list[int]:
-        return self.format.encode_pieces(self.prompt_pieces(messages, tools))
+    def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = (),
+                   tool_prompt: str = "") -> list[int]:
+        return self.format.encode_pieces(self.prompt_pieces(messages, tools, tool_prompt))
 
-    def prompt_text(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = ()) -> str:
-        return "".join(p.text for p in self.prompt_pieces(messages, tools))
+    def prompt_text(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = (),
+                    tool_prompt: str = "") -> str:
+        return "".join(p.text for p in self.prompt_pieces(messages, tools, tool_prompt))
 
-    def history_text(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = ()) -> str:
+    def history_text(self, messages: list[Message], tools: list[dict[str, Any]] | tuple = (),
+                     tool_prompt: str = "") -> str:
         """A whole conversation rendered from its messages (what a chat template would print)."""
-        return "".join(p.text for p in self.format.history_pieces(list(messages), list(tools)))
+        return "".join(p.text for p in self.format.history_pieces(list(messages), list(tools), tool_prompt))
 
     def continuation_pieces(self, env_messages: list[Message], ended_with_eos: bool) -> list[Piece]:
         return merge_pieces(self.format.continuation_pieces(list(env_messages), ended_with_eos))

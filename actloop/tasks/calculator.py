@@ -2,7 +2,11 @@
 
 Problems are multi-step word problems with 2-3 digit numbers that a 135M model cannot multiply
 in its head, generated from templates under a seed. The prompt shows three worked examples as
-earlier chat turns (small models follow a tool format only when shown it, not when told).
+earlier chat turns (small models follow a tool format only when shown it, not when told); their
+calls are `ToolCall`s, so each chat format spells them its own way. The tool is declared only by
+its schema. `TOOL_PROMPT` words the tool prompt for SmolLM2's template (which cannot declare
+tools): with it the embedded model's prompt is token for token the one the demo's learning result
+was measured with (tests/tasks/test_registry.py).
 
 Reward: `correct`, 1.0 when the last number of the final answer equals the target (a final turn
 that is still a tool call is no answer). Logged, weight 0: `used_tool`, `malformed`.
@@ -11,7 +15,6 @@ that is still a tool call is no answer). Logged, weight 0: `used_tool`, `malform
 from __future__ import annotations
 
 import ast
-import json
 import math
 import operator
 import random
@@ -22,24 +25,19 @@ from actloop.envs.base import StepResult
 from actloop.envs.tools import ToolEnv, ToolError, tool
 from actloop.rewards.rubric import RewardTerm
 from actloop.tasks.base import Task
-from actloop.types import Message
+from actloop.types import Message, ToolCall
 
-SYSTEM = (
-    "You are a careful assistant with a calculator tool. For any arithmetic, call the tool as "
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> and wait '
-    "for its result. Then reply with the final answer as: The answer is N."
-)
-
-
-def _call(expr: str) -> str:
-    return json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+SYSTEM = "Then reply with the final answer as: The answer is N."
+# the format fills {call} (the calculator's call in its own spelling) and {system} (SYSTEM)
+TOOL_PROMPT = ("You are a careful assistant with a calculator tool. For any arithmetic, call the tool as {call} and "
+               "wait for its result. {system}")
 
 
 def _example(question: str, expression: str) -> list[Message]:
     result = safe_eval(expression)
     return [
         Message("user", question),
-        Message("assistant", f"<tool_call>{_call(expression)}</tool_call>"),
+        Message("assistant", "", tool_calls=(ToolCall("calculator", {"expression": expression}),)),
         Message("tool", str(result), name="calculator"),
         Message("assistant", f"The answer is {result}."),
     ]
@@ -171,6 +169,8 @@ def final_number(text: str) -> float | None:
 
 class CalculatorEnv(ToolEnv):
     """Multi-turn: tool calls get results; a message without a tool call is the final answer."""
+
+    tool_prompt = TOOL_PROMPT
 
     def __init__(self, shots: list[Message] | None = None):
         self.shots = examples() if shots is None else shots

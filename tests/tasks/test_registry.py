@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from actloop.cli import app
 from actloop.config import ConfigError, load_config
 from actloop.rewards.base import load_object
-from actloop.rollout.engine import SamplingParams
+from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.tasks import BUILTIN, Task, build_task, resolve
 from actloop.train.evaluate import evaluate
@@ -145,13 +146,30 @@ def test_a_task_can_supply_its_own_rollout(tmp_path, tokenizer):
 DEMO_PROMPT_SHA256 = "696ae99f5fcc910fabccaa481e6c6d1132a73a020da6d334a1bb05495f117334"
 
 
+class _PromptRecorder:
+    """An engine that records the prompts it is asked to continue and ends every episode there."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, prompts, params):
+        self.prompts += [list(p) for p in prompts]
+        return [Completion((), (), "length") for _ in prompts]
+
+
 def test_the_demo_prompt_ids_are_unchanged(tokenizer):
-    """The calculator demo's rendered prompts (4 training, 4 held-out rows) hash to what they were
-    before the task registry (measured on main at f81623b): its +53-point learning result holds."""
+    """The calculator demo's prompts (4 training, 4 held-out rows), as an episode renders them
+    (`run_episodes` with the tool schemas the environment declares, the renderer the trainer
+    builds from the default config), hash to what they were before the task registry (measured
+    on main at f81623b, when the tool format was hand-written in the system prompt): its
+    +53-point learning result holds."""
     t = build()
-    r = Renderer(tokenizer)
+    cfg = load_config(None, [])
+    engine, rows = _PromptRecorder(), t.train_rows[:4] + t.eval_rows[:4]
+    trajs = run_episodes(engine, Renderer.from_config(tokenizer, cfg), t.make_env, rows, SamplingParams(), max_turns=1)
+    assert [list(tr.prompt_ids) for tr in trajs] == engine.prompts and len(engine.prompts) == 8
+    assert all(tr.error is None for tr in trajs)
     h = hashlib.sha256()
-    for row in t.train_rows[:4] + t.eval_rows[:4]:
-        messages, _tools = t.make_env().reset(row)
-        h.update(json.dumps(r.prompt_ids(messages)).encode())
+    for ids in engine.prompts:
+        h.update(json.dumps(ids).encode())
     assert h.hexdigest() == DEMO_PROMPT_SHA256

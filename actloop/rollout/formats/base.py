@@ -42,7 +42,9 @@ class ChatFormat:
     def __init__(self, tokenizer: Any, reasoning_effort: str = "medium", tool_prompt: str = ""):
         self.tokenizer = tokenizer
         self.reasoning_effort = reasoning_effort  # harmony
-        self.tool_prompt = tool_prompt  # hermes with a template that cannot declare tools
+        # hermes with a template that cannot declare tools: `rollout.tool_prompt`, which overrides
+        # the environment's own wording (the `tool_prompt` argument of prompt_pieces)
+        self.tool_prompt = tool_prompt
         self.stop_ids = self._stop_ids()
 
     # --------------------------------------------------------------------- to implement
@@ -55,11 +57,14 @@ class ChatFormat:
         """Token strings that end an assistant generation (those missing from the vocab are skipped)."""
         raise NotImplementedError
 
-    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Piece]:
-        """The opening prompt with the assistant generation prompt appended."""
+    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
+        """The opening prompt with the assistant generation prompt appended. `tool_prompt`: the
+        environment's wording of the tool prompt, for a format that writes one itself (hermes
+        with a template that cannot declare tools; `self.tool_prompt` overrides it); a format
+        that declares tools its own way ignores it."""
         raise NotImplementedError
 
-    def history_pieces(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Piece]:
+    def history_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
         """A whole conversation as this format writes it from messages (no generation prompt)."""
         raise NotImplementedError
 

@@ -125,7 +125,8 @@ class HarmonyFormat(ChatFormat):
             out.append(Piece(f"<|start|>assistant<|channel|>final<|message|>{m.content}<|end|>"))
         return out
 
-    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Piece]:
+    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
+        # tool_prompt is not used: harmony declares tools in its own `# Tools` section
         messages = list(messages)
         pieces = [Piece(f"<|start|>system<|message|>{self.system_text(bool(tools))}<|end|>")]
         instructions = messages.pop(0).content if messages and messages[0].role == "system" else ""
@@ -142,7 +143,7 @@ class HarmonyFormat(ChatFormat):
             pieces += self._message(m, keep_analysis=i > last_final)
         return pieces + [Piece("<|start|>assistant")]
 
-    def history_pieces(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Piece]:
+    def history_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
         return self.prompt_pieces(messages, tools)[:-1]
 
     def continuation_pieces(self, env_messages: list[Message], ended_with_stop: bool) -> list[Piece]:

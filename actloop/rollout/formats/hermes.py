@@ -7,8 +7,11 @@ Tool call (Hermes style, as Qwen, SmolLM2's demo and others use)::
 Prompts are rendered by the tokenizer's chat template with placeholders in place of message
 contents; the template's markup is tokenized as the template wrote it and the contents as
 literal text (no control tokens). Tool schemas go to `apply_chat_template(tools=...)` when the
-template knows `tools`; otherwise the system message becomes `tool_system_prompt` (the task's
-system message, then a line per tool and how to call one; `rollout.tool_prompt` rewrites it).
+template knows `tools`; otherwise the system message becomes `tool_system_prompt`: a template
+filled from the schemas (by default the task's system message, then a line per tool and how to
+call one). An environment may word that template itself (`ToolEnv.tool_prompt`); the
+`rollout.tool_prompt` setting overrides both. Worked examples in a prompt are assistant messages
+with `tool_calls`, written in the spelling of the format (Hermes text, or the template's own).
 Tool results go back as a `tool` message when the template has a tool role, else as a user turn
 `<tool_response>\\n...\\n</tool_response>`.
 
@@ -75,8 +78,10 @@ DEFAULT_TOOL_PROMPT = "{system}\n\nYou can call these tools:\n{tools}\nCall a to
 
 def tool_system_prompt(system: str, tools: list[dict[str, Any]], template: str = "") -> str:
     """The system message for a chat template without tool support (SmolLM2's): `template`
-    (`rollout.tool_prompt`; empty = DEFAULT_TOOL_PROMPT) with `{system}` = the task's system
-    message, `{tools}` = a line per tool, `{call}` = a call of the first tool spelled out, e.g.
+    (`rollout.tool_prompt`, else the environment's `tool_prompt`; empty = DEFAULT_TOOL_PROMPT)
+    with `{system}` = the task's system message, `{tools}` = a line per tool, `{call}` = a call
+    of the first tool spelled out (`{tools}` and `{call}` optional; a template without `{system}`
+    is refused when there is a system message to place), e.g. with the default
 
         <the task's system message>
 
@@ -84,12 +89,15 @@ def tool_system_prompt(system: str, tools: list[dict[str, Any]], template: str =
         - calculator(expression: string): Evaluate an arithmetic expression ...
         Call a tool as <tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> and wait for its result.
     """
+    template = template or DEFAULT_TOOL_PROMPT
+    if system.strip() and "{system}" not in template:
+        raise ValueError(f"the tool prompt {template!r:.120} has no {{system}}: the task's system message would be lost")
     fns = function_schemas(tools)
     lines = "\n".join(f"- {_signature(fn)}: {fn.get('description', '').strip()}".rstrip(": ") for fn in fns)
     params = fns[0].get("parameters") or {}
     example_args = {k: "..." for k in (params.get("required") or list((params.get("properties") or {}))[:1])}
     call = f"{TOOL_CALL_OPEN}{json.dumps({'name': fns[0]['name'], 'arguments': example_args})}{TOOL_CALL_CLOSE}"
-    text = (template or DEFAULT_TOOL_PROMPT).replace("{tools}", lines).replace("{call}", call)
+    text = template.replace("{tools}", lines).replace("{call}", call)
     return text.replace("{system}", system).strip()
 
 
@@ -114,7 +122,8 @@ class HermesFormat(ChatFormat):
         return ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
 
     # ------------------------------------------------------------------ rendering
-    def _template_messages(self, messages: list[Message], tools: list[dict[str, Any]]) -> tuple[list[dict], list[str]]:
+    def _template_messages(self, messages: list[Message], tools: list[dict[str, Any]],
+                           tool_prompt: str = "") -> tuple[list[dict], list[str]]:
         """Messages as the chat template sees them, each non-assistant content replaced by a slot."""
         slots: list[str] = []
 
@@ -125,7 +134,7 @@ class HermesFormat(ChatFormat):
         messages = list(messages)
         if tools and not self.template_tools:  # the template cannot declare tools: our one tool prompt
             system = messages.pop(0).content if messages and messages[0].role == "system" else ""
-            messages.insert(0, Message("system", tool_system_prompt(system, tools, self.tool_prompt)))
+            messages.insert(0, Message("system", tool_system_prompt(system, tools, self.tool_prompt or tool_prompt)))
         out = []
         for m in messages:
             if m.role == "assistant":
@@ -153,8 +162,9 @@ class HermesFormat(ChatFormat):
             d["reasoning_content"] = m.reasoning
         return d
 
-    def _render(self, messages: list[Message], tools: list[dict[str, Any]], add_generation_prompt: bool) -> list[Piece]:
-        dicts, slots = self._template_messages(messages, tools)
+    def _render(self, messages: list[Message], tools: list[dict[str, Any]], add_generation_prompt: bool,
+                tool_prompt: str = "") -> list[Piece]:
+        dicts, slots = self._template_messages(messages, tools, tool_prompt)
         kwargs: dict[str, Any] = {}
         if tools and self.template_tools:
             kwargs["tools"] = tools
@@ -166,11 +176,11 @@ class HermesFormat(ChatFormat):
             pos = m.end()
         return pieces + [Piece(text[pos:])]
 
-    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Piece]:
-        return self._render(messages, tools, add_generation_prompt=True)
+    def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
+        return self._render(messages, tools, add_generation_prompt=True, tool_prompt=tool_prompt)
 
-    def history_pieces(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Piece]:
-        return self._render(messages, tools, add_generation_prompt=False)
+    def history_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
+        return self._render(messages, tools, add_generation_prompt=False, tool_prompt=tool_prompt)
 
     def continuation_pieces(self, env_messages: list[Message], ended_with_stop: bool) -> list[Piece]:
         base = [Message("user", "x"), Message("assistant", _TURN)]
