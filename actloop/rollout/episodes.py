@@ -10,10 +10,10 @@ on; the trainer masks it from the loss.
 
 The tool schemas `Env.reset` returns go to the renderer with the prompt (the chat format
 declares them), with the environment's own `tool_prompt` wording where it has one
-(`open_episode`, which `actloop render` uses too). An episode whose next turn would not fit in `max_context` (ids so far + the
-environment's answer + `max_new_tokens`) is ended there and marked `truncated_context`
-(counted per step, written to samples.jsonl); a prompt that does not fit at all is a recorded
-error.
+(`open_episode`, which `actloop render` uses too). An episode whose next turn would not fit in
+`max_context` (ids so far + the environment's answer + `max_new_tokens`) is ended there and
+marked `truncated_context` (counted per step, written to samples.jsonl); a prompt that does not
+fit at all is a recorded error.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _error_text() -> str:
     return traceback.format_exc(limit=8)
 
 
-def open_episode(renderer: Renderer, env: Env, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]], list[int]]:
+def open_episode(renderer: Renderer, env: Env,
+                 row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]], list[int]]:
     """An episode's opening: `env.reset(row)` -> (messages, tool schemas, prompt ids). The tools
     are declared by the chat format, in the wording of the environment's optional `tool_prompt`
     attribute (a template for chat templates that cannot declare tools; `rollout.tool_prompt`

@@ -4,11 +4,12 @@
                                                      "spans": [...], "replies": [...]}
 
 The prompt is rendered exactly as a rollout renders it (`episodes.open_episode`: the tool
-schemas `env.reset` returns, in the environment's `tool_prompt` wording where it has one). Each reply is a hypothetical assistant turn, written in the
-format's own spelling; it is tokenized as the policy would have sampled it (control tokens
-allowed, a stop token appended when it ends on none), parsed, answered by the environment, and
-the environment's answer rendered as the rollout loop renders it. `spans` lists the episode as
-runs of tokens with their loss mask (1 = trained: the assistant's tokens only).
+schemas `env.reset` returns, in the environment's `tool_prompt` wording where it has one). Each
+reply is a hypothetical assistant turn, written in the format's own spelling; it is tokenized as
+the policy would have sampled it (control tokens allowed, a stop token appended when it ends on
+none), parsed, answered by the environment, and the environment's answer rendered as the rollout
+loop renders it. `spans` lists the episode as runs of tokens with their loss mask (1 = trained:
+the assistant's tokens only).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """GSM8K with a Python tool (ReTool-style): the model interleaves reasoning with calls to a
-Python interpreter,
+Python interpreter (in Hermes spelling,
 
     <tool_call>{"name": "python", "arguments": {"code": "apples = 3 * 12\\nprint(apples - 5)"}}</tool_call>
 
-reads what the code printed, and ends with ``#### N``. Each episode gets its own persistent
+each chat format spells the call its own way: the tool is declared by its schema and the worked
+examples carry `ToolCall`s), reads what the code printed, and ends with ``#### N``. Each episode gets its own persistent
 `PythonSession` (variables survive between calls), started at the first call and closed when
 the episode ends — on the final answer, on an error in `step`, on `close()`, or, when the
 rollout stops the episode itself (turn budget, token budget), when the environment is
@@ -15,7 +16,6 @@ is no answer). Logged, weight 0: `format` (a ``#### N`` line), `used_tool`, `too
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from actloop.envs.base import StepResult
@@ -25,25 +25,22 @@ from actloop.rewards.rubric import RewardTerm
 from actloop.sandbox import Limits, PythonSession, Sandbox
 from actloop.tasks.base import Task
 from actloop.tasks.gsm8k import TERMS, gold_completion
-from actloop.types import Message
+from actloop.types import Message, ToolCall
 
-TOOL_SYSTEM = (
-    "Solve the math problem. You can run Python code with "
-    '<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call> and see what it prints; '
-    "variables are kept between calls. Then give the final answer on its own line as #### N."
-)
+TOOL_SYSTEM = "Then give the final answer on its own line as #### N."
+# for chat templates that cannot declare tools: the format fills {call} (a python call in its
+# spelling) and {system} (TOOL_SYSTEM); SmolLM2 sees the prompt it had when the call was hand-written
+TOOL_PROMPT = ("Solve the math problem. You can run Python code with {call} and see what it prints; variables are "
+               "kept between calls. {system}")
 NO_OUTPUT = "(no output: print the values you need)"
-
-
-def _call(code: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
 
 
 def _shot(question: str, steps: list[tuple[str, str, str]], answer: str) -> list[Message]:
     """steps: (reasoning, code, what it prints)."""
     out = [Message("user", question)]
     for text, code, printed in steps:
-        out += [Message("assistant", f"{text}\n{_call(code)}"), Message("tool", printed, name="python")]
+        out += [Message("assistant", f"{text}\n", tool_calls=(ToolCall("python", {"code": code}),)),
+                Message("tool", printed, name="python")]
     return out + [Message("assistant", answer)]
 
 
@@ -66,6 +63,7 @@ class GSM8KToolEnv(ToolEnv):
     is the final answer. A session that breaks fails the episode (it is not the model's error)."""
 
     report_exceptions = (ToolError,)
+    tool_prompt = TOOL_PROMPT
 
     def __init__(self, sandbox: Sandbox | None = None, limits: Limits | None = None, max_calls: int = 8):
         self.sandbox, self.limits, self.max_calls = sandbox, limits, max_calls

@@ -1,12 +1,10 @@
 """MBPP as a multi-turn code agent.
 
 The prompt is MBPP's task text and its visible tests (`test_list`). The model writes
-the function in a ```python block. It may call
-
-    <tool_call>{"name": "run_tests", "arguments": {}}</tool_call>
-
-which runs the newest code block of the episode against the visible tests in the sandbox and
-answers with what passed and what failed; it revises and tests again within `max_test_runs`
+the function in a ```python block. It may call the `run_tests` tool (declared by its schema; in
+Hermes spelling ``<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>``), which runs
+the newest code block of the episode against the visible tests in the sandbox and answers with
+what passed and what failed; it revises and tests again within `max_test_runs`
 and the rollout's turn budget. A reply without a tool call ends the episode, and its code is
 graded (`final` completion): the code grader (`actloop.rewards.code`) on the full `test_list`
 plus the held-out `challenge_test_list` where a row has one, with the hack detectors.
@@ -27,14 +25,14 @@ from actloop.rewards.hacking import CODE_DETECTORS
 from actloop.rewards.rubric import RewardTerm
 from actloop.sandbox import Sandbox
 from actloop.tasks.base import Task
-from actloop.types import Message
-RUN_TESTS_CALL = '<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>'
+from actloop.types import Message, ToolCall
 
-MBPP_SYSTEM = (
-    "You are an expert Python programmer. Write the function the task asks for in a ```python code "
-    f"block. To test it, write the code, then call {RUN_TESTS_CALL} and read which tests fail. "
-    "Your last reply without a tool call is graded: give the final code in a ```python block."
-)
+MBPP_SYSTEM = "You are an expert Python programmer. Write the function the task asks for in a ```python code block."
+# for chat templates that cannot declare tools: the format fills {system} (MBPP_SYSTEM) and {call}
+# (the run_tests call in its spelling); SmolLM2 sees the prompt it had when the call was hand-written
+MBPP_TOOL_PROMPT = ("{system} To test it, write the code, then call {call} and read which tests fail. Your last reply "
+                    "without a tool call is graded: give the final code in a ```python block.")
+RUN_TESTS = (ToolCall("run_tests", {}),)
 
 
 def mbpp_prompt(row: Mapping[str, Any]) -> str:
@@ -65,8 +63,8 @@ MBPP_SHOTS = qa_shots([(
 )]) + [
     Message("user", "Write a function to count the vowels in a string.\nYour code should pass these tests:\n"
             + "\n".join(_SHOT2_TESTS)),
-    Message("assistant", "```python\ndef count_vowels(s):\n    return sum(1 for c in s if c in 'aeiou')\n```\n"
-            + RUN_TESTS_CALL),
+    Message("assistant", "```python\ndef count_vowels(s):\n    return sum(1 for c in s if c in 'aeiou')\n```\n",
+            tool_calls=RUN_TESTS),
     Message("tool", _report([True, False], _SHOT2_TESTS, ["", "wrong value"]), name="run_tests"),
     Message("assistant", "```python\ndef count_vowels(s):\n    return sum(1 for c in s.lower() if c in 'aeiou')\n```"),
 ]
@@ -75,6 +73,8 @@ MBPP_SHOTS = qa_shots([(
 class MBPPEnv(ToolEnv):
     """Multi-turn MBPP: write, run the visible tests, revise; the last reply without a tool call
     is graded."""
+
+    tool_prompt = MBPP_TOOL_PROMPT
 
     def __init__(self, sandbox: Sandbox | None = None, max_test_runs: int = 3, per_test_timeout_s: float = 5.0):
         self.sandbox, self.max_test_runs, self.per_test_timeout_s = sandbox, max_test_runs, per_test_timeout_s

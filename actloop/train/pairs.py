@@ -107,10 +107,12 @@ def to_messages(items: Any, where: str) -> list[Message]:
 
 
 def render_conversation(renderer: Renderer, prompt: list[Message], completion: list[Message],
-                        tools: list[dict[str, Any]] | tuple = ()) -> Sequence:
+                        tools: list[dict[str, Any]] | tuple = (), tool_prompt: str = "") -> Sequence:
     """prompt (ends before the first assistant turn) + completion (starts with an assistant turn)
     -> ids and a mask that is 1 exactly on the assistant turns (and their end-of-turn token).
-    `tools`: the tool schemas declared in the prompt, as the environment's `reset` returns them."""
+    `tools`: the tool schemas declared in the prompt, as the environment's `reset` returns them;
+    `tool_prompt`: the environment's tool-prompt wording (`ToolEnv.tool_prompt`), as a rollout
+    renders it."""
     if not completion or completion[0].role != "assistant":
         raise ValueError("a completion must start with an assistant message")
     turns: list[tuple[Message, list[Message]]] = []
@@ -119,7 +121,7 @@ def render_conversation(renderer: Renderer, prompt: list[Message], completion: l
             turns.append((m, []))
         else:
             turns[-1][1].append(m)
-    ids = renderer.prompt_ids(prompt, tools)
+    ids = renderer.prompt_ids(prompt, tools, tool_prompt)
     mask = [0] * len(ids)
     for k, (msg, env) in enumerate(turns):
         text, ended_with_eos = renderer.assistant_text(msg)  # as the policy samples it, in the model's format
@@ -220,8 +222,9 @@ def calculator_gold_messages(row: dict[str, Any]) -> tuple[list[Message], list[M
 
 
 def calculator_gold_sequences(rows: list[dict[str, Any]], renderer: Renderer) -> list[Sequence]:
-    tools = CalculatorEnv().tool_schemas()  # declared in the prompt, as in a rollout
-    return [render_conversation(renderer, *calculator_gold_messages(r), tools=tools) for r in rows]
+    tools = CalculatorEnv().tool_schemas()  # declared in the prompt in the env's wording, as in a rollout
+    return [render_conversation(renderer, *calculator_gold_messages(r), tools=tools,
+                                tool_prompt=CalculatorEnv.tool_prompt) for r in rows]
 
 
 def messages_json(messages) -> list[dict[str, Any]]:

@@ -4,11 +4,10 @@
     actloop eval --task examples/tasks/letter_count.py:TASK
     actloop grade --task examples/tasks/letter_count.py:TASK --id 0 --completion answer.txt
 """
-import json
 import random
 import re
 
-from actloop import Message, RewardTerm, Task, ToolEnv, tool
+from actloop import Message, RewardTerm, Task, ToolCall, ToolEnv, tool
 
 WORDS = ["strawberry", "banana", "mississippi", "bookkeeper", "committee", "parallel", "balloon", "coffee",
          "address", "assessment", "happiness", "tomorrow", "necessary", "occurrence", "possession", "millennium"]
@@ -19,11 +18,11 @@ def question(row):
     return f'How many times does the letter "{row["letter"]}" appear in "{row["word"]}"?'
 
 
-def shot(word, letter):  # a worked example: small models copy a tool format they are shown
-    call = json.dumps({"name": "count_letter", "arguments": {"word": word, "letter": letter}})
-    n = word.count(letter)
-    return [Message("user", question({"word": word, "letter": letter})), Message("assistant", f"<tool_call>{call}</tool_call>"),
-            Message("tool", str(n), name="count_letter"), Message("assistant", f"The answer is {n}.")]
+def shot(word, letter):  # a worked example: small models copy what they are shown
+    call = ToolCall("count_letter", {"word": word, "letter": letter})
+    return [Message("user", question({"word": word, "letter": letter})), Message("assistant", "", tool_calls=(call,)),
+            Message("tool", str(word.count(letter)), name="count_letter"),
+            Message("assistant", f"The answer is {word.count(letter)}.")]
 
 
 class LetterEnv(ToolEnv):

@@ -12,9 +12,9 @@ import pytest
 from actloop.tasks.calculator import CalculatorEnv
 from actloop.rewards.base import call_reward_func
 from actloop.rollout.engine import Completion, SamplingParams
-from actloop.rollout.episodes import run_episodes
+from actloop.rollout.episodes import open_episode, run_episodes
 from actloop.rollout.formats import detect
-from actloop.rollout.renderer import Renderer, parse_tool_calls
+from actloop.rollout.renderer import Renderer
 from actloop.train.pairs import masked_spans, render_conversation
 from actloop.types import Message, Scored, ToolCall
 
@@ -85,7 +85,7 @@ def test_scripted_tool_episode_renders_and_parses_exactly(tokenizers, fmt):
     assert [list(turn.token_ids) for turn in t.turns] == eng.sampled
     assert masked_spans(t.input_ids, t.loss_mask) == eng.sampled
     assert sum(t.loss_mask) == sum(len(s) for s in eng.sampled)
-    prompt = r.prompt_ids(*CalculatorEnv(shots=[]).reset(ROW))
+    prompt = open_episode(r, CalculatorEnv(shots=[]), ROW)[2]
     assert t.input_ids[:len(prompt)] == prompt
     # the one tool call was executed (a call written in the reasoning was not) and answered
     assert [c.arguments for c in t.turns[0].message.tool_calls] == [{"expression": "12 * 13 + 5"}]
@@ -93,12 +93,14 @@ def test_scripted_tool_episode_renders_and_parses_exactly(tokenizers, fmt):
     assert t.turns[1].message.content.strip() == "The answer is 161." and not t.turns[1].message.tool_calls
     # offline data (SFT/DPO) renders the parsed messages back to the very same ids and mask
     completion = [m for turn in t.turns for m in (turn.message, *turn.env_messages)]
-    seq = render_conversation(r, list(t.prompt_messages), completion, CalculatorEnv(shots=[]).reset(ROW)[1])
+    seq = render_conversation(r, list(t.prompt_messages), completion, CalculatorEnv(shots=[]).reset(ROW)[1],
+                              CalculatorEnv.tool_prompt)
     assert list(seq.ids) == t.input_ids and list(seq.mask) == t.loss_mask
-    # the tool was declared in the prompt in the format's own way
+    # the tool was declared in the prompt in the format's own way (hermes on SmolLM2: in the
+    # calculator's tool-prompt wording, a call spelled out)
     text = r.decode(t.input_ids)
-    assert {"hermes": "calculator(expression: string)", "qwen3": '"name": "calculator"',
-            "harmony": "type calculator = (_: {"}[fmt] in text
+    assert {"hermes": 'call the tool as <tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>',
+            "qwen3": '"name": "calculator"', "harmony": "type calculator = (_: {"}[fmt] in text
     if fmt != "hermes":  # reasoning is kept apart: rewards get the answer, the reasoning on request
         assert t.turns[0].message.reasoning and "161" in t.turns[1].message.reasoning
         assert "I should use" in text or "Use the tool" in text  # trained on what was sampled
@@ -218,6 +220,15 @@ def test_render_cli_on_the_tiny_models(fmt, tiny_qwen3_dir, tiny_gpt_oss_dir):
     [reply] = res["replies"]
     assert reply["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "12 * 13 + 5"}}]
     assert reply["env_reply"] == "161"
+    # the calculator's worked examples, in the format's own spelling (never Hermes text in harmony)
+    shot = {"qwen3": '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+                     '"14 * 36 - 97"}}\n</tool_call><|im_end|>',
+            "harmony": '<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>'
+                       '{"expression": "14 * 36 - 97"}<|call|>'}[fmt]
+    assert shot in res["prompt_text"]
+    assert res["prompt_text"].count({"qwen3": '<tool_call>\n{"name": "calculator"',
+                                     "harmony": "to=functions.calculator"}[fmt]) == 3  # the three worked calls
+    assert "You are a careful assistant" not in res["prompt_text"]  # SmolLM2's tool-prompt wording is hermes-only
 
 
 @pytest.mark.parametrize("fmt", list(SCRIPTS))
@@ -241,22 +252,25 @@ def test_sft_rows_with_openai_tool_calls_train_the_formats_spelling(tokenizers, 
 
 
 def test_tool_prompt_can_reproduce_the_hand_written_calculator_prompt(tokenizer):
-    """rollout.tool_prompt: a calculator whose tools are only declared as schemas can get
-    token for token the prompt the demo was tuned on (the tool format hand-written in SYSTEM)."""
-    from actloop.tasks.calculator import SYSTEM
-
+    """A tool-prompt template (`rollout.tool_prompt`, or the environment's `tool_prompt`) can
+    give, token for token, the prompt the demo was tuned on, where the Hermes call was
+    hand-written into the system message and the worked calls were Hermes text: the calculator
+    now declares its tool only as a schema and carries its worked calls as ToolCalls."""
     row = {"question": "What is 12 times 13, plus 5?"}
-    today, tools = CalculatorEnv().reset(row)
-    assert SYSTEM in today[0].content
+    messages, tools = CalculatorEnv().reset(row)
+    assert all(m.role != "assistant" or "<tool_call>" not in m.content for m in messages)
+    hand_written_system = ("You are a careful assistant with a calculator tool. For any arithmetic, call the tool as "
+                           '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> and wait '
+                           "for its result. Then reply with the final answer as: The answer is N.")
+    hand_written = [Message("system", hand_written_system)] + [
+        Message(m.role, m.content + "".join(f'<tool_call>{{"name": "calculator", "arguments": {json.dumps(c.arguments)}}}'
+                                            "</tool_call>" for c in m.tool_calls), name=m.name) for m in messages[1:]]
     template = ("You are a careful assistant with a calculator tool. For any arithmetic, call the tool as {call} "
                 "and wait for its result. {system}")
-    # worked examples whose calls are ToolCalls (so that every format spells them its own way)
-    shots = [Message("assistant", "", tool_calls=(ToolCall("calculator", parse_tool_calls(m.content).calls[0].arguments),))
-             if m.role == "assistant" and m.content.startswith("<tool_call>") else m for m in today[1:]]
-    switched = [Message("system", "Then reply with the final answer as: The answer is N."), *shots]
-    assert Renderer(tokenizer, tool_prompt=template).prompt_ids(switched, tools) == Renderer(tokenizer).prompt_ids(today)
+    assert Renderer(tokenizer, tool_prompt=template).prompt_ids(messages, tools) == Renderer(tokenizer).prompt_ids(hand_written)
+    assert Renderer(tokenizer).prompt_ids(messages, tools, CalculatorEnv.tool_prompt) == Renderer(tokenizer).prompt_ids(hand_written)
     # the default: the task's system message, a line per tool, how to call one
-    text = Renderer(tokenizer).prompt_text(switched, tools)
+    text = Renderer(tokenizer).prompt_text(messages, tools)
     assert ("The answer is N.\n\nYou can call these tools:\n- calculator(expression: string): Evaluate an arithmetic "
             'expression with + - * / // % ** and parentheses.\nCall a tool as <tool_call>{"name": "calculator", '
             '"arguments": {"expression": "..."}}</tool_call> and wait for its result.<|im_end|>') in text

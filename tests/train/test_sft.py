@@ -35,7 +35,7 @@ class TeacherEngine:
         self.i += 1
         ids = self.r.encode(text)
         stop = text.endswith("</tool_call>")
-        ids = ids if stop else ids + [self.r.eos_token_ids[0]]
+        ids = ids if stop or ids[-1] in self.r.eos_token_ids else ids + [self.r.eos_token_ids[0]]
         return [Completion(tuple(ids), (0.0,) * len(ids), "stop_string" if stop else "stop") for _ in prompts]
 
     def sync_weights(self, model):
@@ -55,11 +55,11 @@ def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokeniz
         assert text.count(row["question"]) == 1 and text.index(row["question"]) < text.rindex(spans[0])
         # identical ids and mask to a rollout of the same turns through the real environment
         prompt, completion = calculator_gold_messages(row)
-        turns = [m.content for m in completion if m.role == "assistant"]
+        turns = [r.assistant_text(m)[0] for m in completion if m.role == "assistant"]  # as the policy samples them
         [traj] = run_episodes(TeacherEngine(r, turns), r, CalculatorEnv, [row], SamplingParams(max_new_tokens=64), 3)
         assert list(seq.ids) == traj.input_ids and list(seq.mask) == traj.loss_mask
         # and the chat template renders the very same text for that conversation
-        full = r.history_text(prompt + completion, CalculatorEnv().reset(row)[1])
+        full = r.history_text(prompt + completion, CalculatorEnv().reset(row)[1], CalculatorEnv.tool_prompt)
         assert text == full.rstrip("\n")
 
 
@@ -73,7 +73,7 @@ def test_gold_traces_score_full_marks(tokenizer):
     trajs = []
     for row in task.train_rows:
         _, completion = calculator_gold_messages(row)
-        turns = [m.content for m in completion if m.role == "assistant"]
+        turns = [r.assistant_text(m)[0] for m in completion if m.role == "assistant"]  # as the policy samples them
         trajs += run_episodes(TeacherEngine(r, turns), r, task.make_env, [row], SamplingParams(max_new_tokens=64), 3)
     assert [s.reward for s in task.rubric.score(trajs)] == [1.0] * 4
 
