@@ -38,9 +38,15 @@ class Message:
     reasoning: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """OpenAI / chat-template style; `tool_calls` as ``[{"type": "function", "function":
+        {"name", "arguments": {...}}}]`` when there are any (worked examples carry their calls
+        there, not in `content`)."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in self.tool_calls]
         return d
 
 

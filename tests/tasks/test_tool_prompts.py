@@ -180,3 +180,15 @@ def test_the_examples_prompts_are_unchanged(tokenizer):
 
 
 LETTER_COUNT_PROMPT_SHA256 = "86491678f9490a416cd38104b71863df1131fca348f50da5c27cc4d8c665a040"
+
+
+def test_the_worked_calls_survive_serialization():
+    """Reward functions' `prompts`, DPO's pairs.jsonl and SFT rows hold messages as dicts: the
+    worked examples' calls go there as OpenAI `tool_calls` and read back to the same messages."""
+    from actloop.train.pairs import to_messages
+
+    messages, _tools = CalculatorEnv().reset({"question": "What is 12 times 13, plus 5?"})
+    dicts = [m.to_dict() for m in messages]
+    assert [c["function"] for d in dicts for c in d.get("tool_calls", [])] == [
+        {"name": "calculator", "arguments": {"expression": e}} for e in ("14 * 36 - 97", "58 * 23 + 311", "27 * 4 + 9")]
+    assert to_messages(json.loads(json.dumps(dicts)), "row 1") == messages
