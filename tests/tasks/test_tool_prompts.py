@@ -163,7 +163,7 @@ def test_a_tool_prompt_without_system_is_refused(tokenizer):
 def test_a_mixture_renders_each_sources_tool_prompt(tokenizer):
     """data.mix: the episode's environment is chosen per row; its tool_prompt goes with it."""
     r = Renderer(tokenizer)
-    env = MixedEnv({"calculator": CalculatorEnv, "letter_count": resolve(EXAMPLES[-1]).env})
+    env = MixedEnv({"calculator": CalculatorEnv, "letter_count": resolve("examples/tasks/letter_count.py:TASK").env})
     row = {"question": "What is 12 times 13, plus 5?", "source": "calculator"}
     assert open_episode(r, env, row)[2] == open_episode(r, CalculatorEnv(), row)[2]
     letters = {"word": "banana", "letter": "a", "answer": 3, "source": "letter_count"}
