@@ -21,6 +21,8 @@ from actloop.rollout.engine import HFEngine
 from actloop.rollout.preview import preview_episode
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox.cli import app as sandbox_app
+from actloop.gateway.agent import build_run_task
+from actloop.gateway.serve import build as build_server
 from actloop.tasks.registry import BUILTIN, build_task, find_row, grade_one, grade_rows, resolve
 from actloop.train.checkpoint import resume_config
 from actloop.train.compare import compare as _compare
@@ -54,6 +56,25 @@ def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
 def _fail(msg: str) -> None:
     console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)  # one line, greppable
     raise typer.Exit(2)
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(..., help="A model (name, directory, .gguf, Hub id) or a run directory (serves its final/)."),
+    port: int = typer.Option(8000, "--port", help="TCP port on --host."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Model name clients use (default `policy`; the path works too)."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Default max_tokens when a request sets none."),
+    precision: str = typer.Option("auto", "--precision", help="Engine weights: auto (bf16 where supported), bf16, fp32."),
+) -> None:
+    """Serve a model behind the OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
+    /v1/models): try a trained model with any client, or use it as an LLM judge."""
+    try:
+        gw = build_server(model, name=name, max_new_tokens=max_new_tokens, precision=precision)
+    except USER_ERRORS as e:
+        _fail(str(e))
+    console.print(f"serving {', '.join(gw.model_names)} at http://{host}:{port}/v1 (Ctrl-C stops)")
+    gw.serve_forever(port=port, host=host)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -113,6 +134,9 @@ def eval_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="Results JSON (default: RUN_DIR/eval/<task>-<split>.json "
                                        "for a run directory, else runs/evals/<model>-<task>-<split>.json)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON line."),
+    agent: Optional[str] = typer.Option(None, "--agent", help="Agent code (path/to/agent.py:run) to evaluate through "
+                                        "the gateway on the --data rows, instead of --task (docs/agents.md)."),
+    agent_data: Optional[str] = typer.Option(None, "--data", help="Rows (JSONL) handed to the --agent."),
 ) -> None:
     """Accuracy (greedy) or pass@k of a model or checkpoint on a task's split: a table and a JSON file."""
     run_dir = None
@@ -125,11 +149,16 @@ def eval_cmd(
     except ValueError:
         _fail(f"--k must be integers separated by commas, got {ks!r}")
     data_key = f"data.mix=[{task}]" if _is_mixture(task) else f"data.task={task}"
-    overrides = [f"model={model}", data_key, f"data.eval_size={n}", f"seed={seed}", "data.train_size=0",
+    if agent:
+        if not agent_data:
+            _fail("--agent needs --data: the rows to run it on")
+        task, data_key = "agent", f"agent.entry={agent}"
+    overrides = ([f"data.path={agent_data}", f"data.eval_path={agent_data}"] if agent else []) + [
+                 f"model={model}", data_key, f"data.eval_size={n}", f"seed={seed}", "data.train_size=0",
                  f"data.split={split}"] + ([f"data.dir={data_dir}"] if data_dir else [])
     try:
         cfg = load_config(None, overrides)
-        t = build_task(cfg)
+        t = build_run_task(cfg)
         if not t.eval_rows:
             _fail(f"{task} has no rows in split `{split}`")
         models = load_models(cfg.model)

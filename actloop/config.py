@@ -127,6 +127,14 @@ class RolloutConfig:
         "(the task's), `{tools}` (a line per tool), `{call}` (a call spelled out); overrides the environment's own "
         "`tool_prompt` wording (the calculator has one); empty = the environment's, else the default, `{system}` + "
         "tool lines + how to call (docs/models.md).")
+    schedule: str = opt(
+        "auto",
+        "How episodes meet the engine: `auto` (continuous when the engine batches continuously: hf), `continuous` "
+        "(each episode sends its next turn the moment its tool "
+        "returns; the engine batches whatever is live, so a slow tool stalls only its own episode) or `lockstep` "
+        "(every episode's turn in one batch, the next turn after every tool returned: bit-reproducible under the "
+        "seed, which continuous batching is not, its batches depending on timing).",
+    )
     engine: str = opt(
         "hf",
         "Generation engine: `hf` (transformers with a KV cache, in this process), `vllm` (vLLM colocated on the "
@@ -161,6 +169,22 @@ class RolloutConfig:
     vllm_adapter_dir: str = opt(
         "", "vllm, vllm-server with LoRA: directory the server can read where adapters are saved (default <output_dir>/vllm-adapters)."
     )
+
+
+@dataclass
+class AgentConfig:
+    entry: str | None = opt(
+        None,
+        "Agent code to train, as `path/to/agent.py:run` or `package.module:run`: `async def run(client: "
+        "openai.AsyncOpenAI, row: dict) -> float | dict` (a dict carries `reward` and extra metrics; None lets "
+        "reward.funcs score the captured transcript). Its calls go through the gateway and are trained "
+        "token-exactly; rows come from data.path. See docs/agents.md.",
+    )
+    concurrency: int = opt(16, "Agent episodes running at once (their requests share the engine's decode batch).")
+    timeout_s: float = opt(120.0, "An episode still running after this many seconds is cancelled, recorded and masked.")
+    model_name: str = opt("policy", "The model name the gateway answers to (requests naming another get a 404).")
+    port: int = opt(0, "Gateway port on 127.0.0.1 during training (0 = any free port).")
+    max_context: int = opt(0, "Longest prompt + completion the gateway accepts (0 = the model's max_position_embeddings).")
 
 
 @dataclass
@@ -446,6 +470,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Data and task."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": "Reward functions."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"doc": "Rollouts."})
+    agent: AgentConfig = field(default_factory=AgentConfig, metadata={"doc": "Agent code behind the gateway."})
     ray: RayConfig = field(default_factory=RayConfig, metadata={"doc": "Ray scale-out (rollout.engine=ray)."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training."})
     kl: KLConfig = field(default_factory=KLConfig, metadata={"doc": "KL control."})
@@ -707,6 +732,11 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.engine_retries >= 0, "rollout.engine_retries must be >= 0"),
         (0 <= cfg.rollout.engine_retry_backoff_s <= cfg.rollout.engine_retry_max_backoff_s,
          "rollout.engine_retry_backoff_s must be >= 0 and <= rollout.engine_retry_max_backoff_s"),
+        _one_of("rollout.schedule", cfg.rollout.schedule, ("auto", "continuous", "lockstep")),
+        (cfg.agent.concurrency >= 1, "agent.concurrency must be >= 1"),
+        (cfg.agent.timeout_s > 0, "agent.timeout_s must be > 0"),
+        (cfg.agent.entry is None or ":" in cfg.agent.entry,
+         "agent.entry must be written as path/to/agent.py:function or package.module:function"),
         (cfg.ray.num_rollout_workers >= 1, "ray.num_rollout_workers must be >= 1"),
         (cfg.ray.num_sandbox_workers >= 0, "ray.num_sandbox_workers must be >= 0"),
         _one_of("train.loss_agg", cfg.train.loss_agg, REG["loss_agg"]),

@@ -88,6 +88,9 @@ class Trajectory:
     # (the first computation of each position; routing replay, actloop/models/routing.py); else None
     routing: Any = None
     truncated_context: bool = False  # ended because the next turn would not fit in max_context
+    # earlier segments of the same episode (an agent behind the gateway that rewrote its history):
+    # each is a Trajectory of its own token sequence, trained with this episode's reward
+    segments: tuple["Trajectory", ...] = ()
 
     @property
     def input_ids(self) -> list[int]:

@@ -1,20 +1,22 @@
 """Generation engines. An engine samples continuations of token-id prompts and returns the
 sampled ids with their log-probs under the sampling distribution (softmax(logits / T)).
+`Engine` is the protocol the loop, the evaluator and the gateway use; `EngineBase` its defaults.
 
-`HFEngine` runs a transformers causal LM with a KV cache:
-- the longest common prefix of a batch (the system prompt and few-shot turns every episode
-  shares) is encoded once and its cache broadcast to every row;
-- each row's own suffix follows, left-padded inside its block ([prefix][pad][suffix]) with
-  explicit position ids, so every row's next token lands in the same column;
-- rows that finish (EOS or a stop string) leave the batch, so stragglers do not make the
-  finished rows pay for their decode steps.
+`HFEngine` runs a transformers causal LM with a KV cache, batching continuously: requests
+(`submit`, or a `generate` batch) join and leave one live decode batch at token boundaries, with
+an LRU prefix cache across requests (see the class). Models with sliding-window layers or MoE
+routing capture decode in lock-step batches instead (`_decode`): the longest common prefix
+encoded once, each row's suffix left-padded in its block, finished rows leaving the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -29,6 +31,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    stop: tuple[str, ...] = ()  # extra stop strings of this request (the engine's own always apply)
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,100 @@ class Completion:
 
 
 class Engine(Protocol):
+    """Everything the loop, the evaluator and the gateway use of an engine. `EngineBase` gives
+    the no-op defaults; HFEngine, VLLMEngine, VLLMServerEngine and RayEngine derive from it.
+
+    weights           "copy" (own weights, refreshed by sync_weights: the trainer turns the IS
+                      correction on) or "live" (samples from the trainer's module)
+    generated_tokens  sampled tokens over the engine's life (throughput metrics)
+    runs_episodes     True when `run_episodes` runs whole episodes itself (Ray's workers)
+    continuous_batching  True when `submit`ted requests join a live decode batch at token
+                      boundaries (HFEngine); the default `submit` batches what is waiting
+    """
+
+    weights: str
+    generated_tokens: int
+    runs_episodes: bool
+    continuous_batching: bool
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future: ...
+
     def sync_weights(self, model: Any) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int) -> list[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBase:
+    """Defaults of the `Engine` protocol. `submit` (one request, answered through a Future, from
+    any thread) batches whatever requests are waiting into one `generate` call per sampling
+    setting, on a worker thread; HFEngine replaces it with continuous batching."""
+
+    weights: str = "copy"
+    generated_tokens: int = 0
+    runs_episodes: bool = False
+    continuous_batching: bool = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        raise NotImplementedError
+
+    def sync_weights(self, model: Any) -> None:
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Free accelerator memory for the update (colocated vLLM); a no-op elsewhere."""
+
+    def wake(self) -> None:
+        """Undo `sleep`; a no-op elsewhere."""
+
+    def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int) -> list[Any]:
+        raise NotImplementedError(f"{type(self).__name__} does not run whole episodes (runs_episodes is False)")
+
+    def close(self) -> None:
+        q = self.__dict__.get("_submit_queue")
+        if q is not None:
+            q.put(None)
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        if "_submit_queue" not in self.__dict__:
+            self._submit_queue: queue.Queue = queue.Queue()
+            threading.Thread(target=self._submit_loop, daemon=True, name="engine-submit").start()
+        fut: Future = Future()
+        self._submit_queue.put((list(prompt), params, fut))
+        return fut
+
+    def _submit_loop(self) -> None:
+        while True:
+            first = self._submit_queue.get()
+            if first is None:
+                return
+            waiting = [first]
+            while True:
+                try:
+                    waiting.append(self._submit_queue.get_nowait())
+                except queue.Empty:
+                    break
+            if any(w is None for w in waiting):
+                waiting = [w for w in waiting if w is not None]
+                self._submit_queue.put(None)
+            by_params: dict[SamplingParams, list] = {}
+            for w in waiting:
+                by_params.setdefault(w[1], []).append(w)
+            for params, reqs in by_params.items():
+                try:
+                    outs = self.generate([r[0] for r in reqs], params)
+                    for r, c in zip(reqs, outs):
+                        r[2].set_result(c)
+                except Exception as e:  # every waiting request hears of it; the loop goes on
+                    for r in reqs:
+                        r[2].set_exception(e)
 
 
 def use_bf16(precision: str) -> bool:
@@ -131,8 +225,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-class HFEngine:
-    """Sampling from a transformers causal LM.
+class HFEngine(EngineBase):
+    """Sampling from a transformers causal LM, with continuous batching.
 
     weights="copy" keeps the engine's own bf16 (or fp32) copy of the policy, refreshed by
     `sync_weights` after each update — decode is faster without autocast's per-step casts, and
@@ -141,10 +235,24 @@ class HFEngine:
     merged into plain weights (W + scale * B A), re-merged at each sync, so decode pays neither
     the adapter's extra matmuls nor autocast's casts of the frozen base weights.
     weights="live" samples from the trainer's module itself (exactness in tests).
+
+    Continuous batching: one decode thread owns the model. `submit(prompt, params)` queues a
+    request from any thread; between two decode steps the thread admits waiting requests (each
+    prefilled on its own, reusing the longest cached prefix), and a row that finishes leaves
+    the batch at once and answers its Future. Episodes, gateway calls and `generate` all share
+    this batch, so a request never waits for another request's turn to end. Rows sit left-padded
+    in one KV cache ([pad][prefix][sampled]) with explicit position ids.
+
+    Prefix cache: the KV of every prefilled prompt, and of every finished prompt + completion,
+    is kept (least recently used first out, `prefix_cache_tokens` in all), so a group's G
+    copies of a prompt, a shared system prompt, and an agent's next call (previous prompt +
+    sampled ids + tool result) prefill only what is new. It is emptied by `sync_weights` and
+    `sleep` (the trainer calls it before every update): entries never outlive the weights.
     """
 
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: tuple[int, ...], stop_strings=(),
-                 precision: str = "auto", weights: Literal["copy", "live"] = "copy", max_batch: int = 128):
+                 precision: str = "auto", weights: Literal["copy", "live"] = "copy", max_batch: int = 128,
+                 prefix_cache_tokens: int = 16384):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
@@ -164,21 +272,66 @@ class HFEngine:
         self._cache_kw = cache_kwarg(self.model)
         self._layer_masks = uses_layer_masks(self.model)  # sliding-window layers: masks from positions
         self._routing = install_routing(self.model)  # MoE: record each position's experts (routing replay)
+        # sliding-window layer masks and MoE routing traces follow the lock-step decode below (`_decode`);
+        # other models are batched continuously
+        self.continuous_batching = not self._layer_masks and self._routing is None
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "admitted": 0}
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
+        self.prefix_cache.clear()
         if self.weights == "live":
             return
         src = merged_state_dict(model)
         for name, t in self.model.state_dict().items():
             t.copy_(src[name])
 
+    def sleep(self) -> None:
+        self.prefix_cache.clear()  # the update is about to change the weights the entries came from
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        super().close()
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        if not self.continuous_batching:
+            return super().submit(prompt, params)
+        return self._submit([(list(prompt), params)])[0]
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """A batch of prompts, answered in order: admitted together into the continuous batch
+        (deterministic under the seed), or decoded in lock-step (`_decode`) where the model needs it."""
+        if not prompts:
+            return []
+        if self.continuous_batching:
+            futures = self._submit([(list(p), params) for p in prompts])
+            return [f.result() for f in futures]
         out: list[Completion] = []
         for i in range(0, len(prompts), self.max_batch):
             out += self._generate_batch(prompts[i : i + self.max_batch], params)
         return out
+
+    def _submit(self, reqs: list[tuple[list[int], SamplingParams]]) -> list[Future]:
+        for p, _ in reqs:
+            if not p:
+                raise ValueError("an empty prompt: nothing to continue")
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), daemon=True,
+                                                name="hf-engine-decode")
+                self._thread.start()
+        futures = [Future() for _ in reqs]
+        self._queue.put([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
+        return futures
 
     def _forward(self, ids, mask, pos, cache, kpos):
         """kpos [B, columns]: the position of every key column (cache + ids), for sliding layers."""
@@ -243,7 +396,7 @@ class HFEngine:
                 if t in self.eos_token_ids:
                     reasons[i] = "stop"
                     done_now.append(j)
-                elif self.stop_strings and self._hit_stop(tokens[i]):
+                elif (self.stop_strings or params.stop) and self._hit_stop(tokens[i], params.stop):
                     reasons[i] = "stop_string"
                     done_now.append(j)
             if step == params.max_new_tokens - 1 or len(done_now) == len(rows):
@@ -264,9 +417,260 @@ class HFEngine:
         return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i], routing=trace.row(i) if trace else None)
                 for i in range(B)]
 
-    def _hit_stop(self, ids: list[int]) -> bool:
+    # ------------------------------------------------------------------ the continuous decode thread
+    def _forward_cb(self, ids, mask, pos, cache):
+        return self._forward(ids, mask, pos, cache, None)  # no sliding-window layers here (continuous_batching)
+
+    def _loop(self, threads: int) -> None:
+        torch.set_num_threads(threads)  # a new thread starts with the OpenMP default, not the caller's
+        batch = _Batch()
+        was_training = None
+        with torch.no_grad():
+            while True:
+                waiting: list[_Request] = []
+                try:  # block only when nothing is decoding
+                    item = self._queue.get(block=not batch.rows)
+                    while True:
+                        if item is None:
+                            self._fail_all(batch, RuntimeError("the engine was closed"))
+                            return
+                        waiting += item
+                        item = self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                if was_training is None and (waiting or batch.rows):
+                    was_training = self.model.training
+                    self.model.eval()
+                for req in waiting:
+                    try:
+                        self._admit(batch, req)
+                    except Exception as e:  # this request fails; the others go on
+                        if not req.future.done():
+                            req.future.set_exception(e)
+                try:
+                    if batch.rows:
+                        self._step(batch)
+                except Exception as e:  # every live request hears of it; the thread goes on
+                    self._fail_all(batch, e)
+                    batch = _Batch()
+                if not batch.rows and self._queue.empty() and was_training is not None:
+                    self.model.train(was_training)
+                    was_training = None
+
+    def _fail_all(self, batch: "_Batch", e: Exception) -> None:
+        for row in batch.rows:
+            if not row.req.future.done():
+                row.req.future.set_exception(e)
+        batch.rows = []
+
+    def _admit(self, batch: "_Batch", req: _Request) -> None:
+        """Prefill one request (after its longest cached prefix), sample its first token, and
+        put it into the decode batch."""
+        device = next(self.model.parameters()).device
+        prompt = req.prompt
+        P, cached = self.prefix_cache.lookup(prompt)
+        cache = None
+        if P > 0:
+            cache = _cache_from(cached, P)
+        suffix = torch.tensor([prompt[P:]], device=device)
+        n = len(prompt)
+        out = self._forward_cb(suffix, torch.ones((1, n), dtype=torch.long, device=device),
+                            torch.arange(P, n, device=device)[None], cache)
+        cache = output_cache(out)
+        self.stats["prefill_tokens"] += n - P
+        self.stats["reused_tokens"] += P
+        self.stats["admitted"] += 1
+        self.prefix_cache.put(prompt, _layers_of(cache, 0, 0))
+        row = _Row(req, next_pos=n)
+        tok, lp = sample_next(out.logits[:, -1], req.params)
+        reason = self._take(row, int(tok[0]), float(lp[0]))
+        if reason is not None:
+            self._resolve(row, reason)
+            return
+        batch.join(row, cache, device)
+
+    def _step(self, batch: "_Batch") -> None:
+        """One decode step for every live row; finished rows leave the batch."""
+        device = batch.mask.device
+        B = len(batch.rows)
+        ids = torch.tensor([[r.tokens[-1]] for r in batch.rows], device=device)
+        pos = torch.tensor([[r.next_pos] for r in batch.rows], device=device)
+        batch.mask = torch.cat([batch.mask, torch.ones((B, 1), dtype=batch.mask.dtype, device=device)], dim=1)
+        out = self._forward_cb(ids, batch.mask, pos, batch.cache)
+        batch.cache = output_cache(out)
+        self.stats["decode_steps"] += 1
+        logits = out.logits[:, -1]
+        groups: dict[SamplingParams, list[int]] = {}
+        for j, r in enumerate(batch.rows):
+            r.next_pos += 1
+            groups.setdefault(r.req.params, []).append(j)
+        done: dict[int, str] = {}
+        for params, js in groups.items():
+            tok, lp = sample_next(logits[js] if len(js) < B else logits, params)
+            for k, j in enumerate(js):
+                reason = self._take(batch.rows[j], int(tok[k]), float(lp[k]))
+                if reason is not None:
+                    done[j] = reason
+        if done:
+            for j, reason in done.items():  # what the row computed is a prefix the next call may extend
+                r = batch.rows[j]
+                self.prefix_cache.put(r.req.prompt + r.tokens[:-1], _layers_of(batch.cache, j, batch.pad_of(j)),
+                                      replaces=r.req.prompt)
+                self._resolve(r, reason)  # after the cache entry: a caller may sync weights at once
+            batch.leave(sorted(done))
+
+    def _resolve(self, row: "_Row", reason: str) -> None:
+        self.generated_tokens += len(row.tokens)
+        row.req.future.set_result(Completion(tuple(row.tokens), tuple(row.logps), reason))
+
+    def _take(self, row: "_Row", t: int, lp: float) -> str | None:
+        """Append a sampled token; the finish reason when the row is finished, else None."""
+        row.tokens.append(t)
+        row.logps.append(lp)
+        params = row.req.params
+        reason = None
+        if t in self.eos_token_ids:
+            reason = "stop"
+        elif (self.stop_strings or params.stop) and self._hit_stop(row.tokens, params.stop):
+            reason = "stop_string"
+        elif len(row.tokens) >= params.max_new_tokens:
+            reason = "length"
+        return reason
+
+    def _hit_stop(self, ids: list[int], extra: tuple[str, ...] = ()) -> bool:
+        stops = self.stop_strings + tuple(extra)
         tail = self.tokenizer.decode(ids[-4:], skip_special_tokens=False)
-        if not any(s[-1] in tail for s in self.stop_strings):
+        if not any(s[-1] in tail for s in stops):
             return False
         text = self.tokenizer.decode(ids[-32:], skip_special_tokens=False)
-        return any(s in text for s in self.stop_strings)
+        return any(s in text for s in stops)
+
+
+# ---------------------------------------------------------------------- continuous batching state
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: Future
+
+
+@dataclass
+class _Row:
+    req: _Request
+    next_pos: int  # position id of the next token fed
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+
+
+def _layers_of(cache: Any, row: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One row's keys and values per layer ([1, H, S, D] each), left padding dropped."""
+    return [(layer.keys[row : row + 1, :, pad:].clone(), layer.values[row : row + 1, :, pad:].clone())
+            for layer in cache.layers]
+
+
+def _cache_from(kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> Any:
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache([(k[:, :, :n], v[:, :, :n]) for k, v in kv])
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H, n + S, D] with n zero columns on the left."""
+    if n == 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], n, t.shape[3]), t], dim=2)
+
+
+@dataclass
+class _Batch:
+    """The live decode batch: rows, their left-padded KV cache and attention mask [B, S]."""
+
+    rows: list[_Row] = field(default_factory=list)
+    cache: Any = None
+    mask: torch.Tensor | None = None
+
+    def pad_of(self, j: int) -> int:
+        return int((self.mask[j] == 0).sum())  # only left padding is ever zero
+
+    def join(self, row: _Row, cache: Any, device: Any) -> None:
+        """Add a prefilled row (cache batch 1, no padding): the shorter side is left-padded."""
+        s = cache.layers[0].keys.shape[2]
+        if not self.rows:
+            self.rows, self.cache = [row], cache
+            self.mask = torch.ones((1, s), dtype=torch.long, device=device)
+            return
+        S = self.mask.shape[1]
+        L = max(S, s)
+        for mine, new in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, L - S), _left_pad(new.keys, L - s)])
+            mine.values = torch.cat([_left_pad(mine.values, L - S), _left_pad(new.values, L - s)])
+        zeros = lambda b, n: torch.zeros((b, n), dtype=torch.long, device=device)  # noqa: E731
+        self.mask = torch.cat([torch.cat([zeros(len(self.rows), L - S), self.mask], 1),
+                               torch.cat([zeros(1, L - s), torch.ones((1, s), dtype=torch.long, device=device)], 1)])
+        self.rows.append(row)
+
+    def leave(self, done: list[int]) -> None:
+        keep = [j for j in range(len(self.rows)) if j not in set(done)]
+        self.rows = [self.rows[j] for j in keep]
+        if not self.rows:
+            self.cache, self.mask = None, None
+            return
+        idx = torch.tensor(keep, device=self.mask.device)
+        self.mask = self.mask[idx]
+        first = int((self.mask.sum(0) > 0).nonzero()[0])  # columns only padding: dropped
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
+
+
+class PrefixCache:
+    """KV of token sequences already computed, LRU by total tokens. `lookup(prompt)` returns
+    the longest cached prefix of `prompt` (at most len(prompt) - 1 tokens: the last one is fed
+    to get the next token's logits) and that entry's KV."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.entries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.tokens = 0
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+            self.tokens = 0
+
+    def lookup(self, prompt: list[int]) -> tuple[int, Any]:
+        best, best_kv, best_key = 0, None, None
+        with self._lock:
+            for key, kv in self.entries.items():
+                if not key or key[0] != prompt[0]:
+                    continue
+                n = common_prefix_len([list(key), prompt])
+                n = min(n, len(prompt) - 1)
+                if n > best:
+                    best, best_kv, best_key = n, kv, key
+            if best_key is not None:  # most recently used last
+                self.entries[best_key] = self.entries.pop(best_key)
+        return best, best_kv
+
+    def put(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], replaces: list[int] | None = None) -> None:
+        """Keep `ids`' KV; `replaces` names an entry it extends (dropped: every lookup that
+        entry served, this one serves as well)."""
+        key = tuple(ids)
+        if self.max_tokens <= 0 or len(key) > self.max_tokens or not key:
+            return
+        with self._lock:
+            if replaces is not None and tuple(replaces) in self.entries and tuple(replaces) != key:
+                self.tokens -= len(replaces)
+                del self.entries[tuple(replaces)]
+            if key in self.entries:
+                self.tokens -= len(key)
+                del self.entries[key]
+            self.entries[key] = kv
+            self.tokens += len(key)
+            while self.tokens > self.max_tokens:
+                old = next(iter(self.entries))
+                self.tokens -= len(old)
+                del self.entries[old]

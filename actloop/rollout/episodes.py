@@ -1,4 +1,4 @@
-"""Run multi-turn episodes: every active episode generates its next turn in one engine batch.
+"""Run multi-turn episodes: each episode sends its next turn to the engine as soon as it is ready.
 
     prompt ids ──► engine ──► sampled ids ──► renderer.parse ──► env.step ──► env messages
         ▲                                                                        │
@@ -18,7 +18,9 @@ fit at all is a recorded error.
 
 from __future__ import annotations
 
+import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,7 +29,8 @@ from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.renderer import Renderer
 from actloop.types import Message, Trajectory, Turn
 
-
+MAX_EPISODE_THREADS = 256  # episodes in flight at once under the continuous schedule
+_TOKENIZER = threading.Lock()  # fast tokenizers may refuse concurrent calls ("Already borrowed")
 
 @dataclass
 class _Episode:
@@ -87,6 +90,84 @@ def open_episode(renderer: Renderer, env: Env,
     return list(messages), tools, renderer.prompt_ids(messages, tools, getattr(env, "tool_prompt", "") or "")
 
 
+def _start(ep: _Episode, renderer: Renderer, params: SamplingParams, max_context: int) -> None:
+    try:
+        with _TOKENIZER:
+            ep.prompt_messages, _tools, ep.prompt_ids = open_episode(renderer, ep.env, ep.row)
+        ep.ids = list(ep.prompt_ids)
+    except Exception:
+        ep.error, ep.done = _error_text(), True
+    if not ep.done and len(ep.ids) + params.max_new_tokens > max_context:
+        ep.done, ep.truncated_context = True, True
+        ep.error = (f"the prompt ({len(ep.ids)} tokens) + max_new_tokens ({params.max_new_tokens}) does not fit in "
+                    f"max_context ({max_context})")
+
+
+def _advance(ep: _Episode, comp: Any, renderer: Renderer, params: SamplingParams, last_turn: bool,
+             max_context: int) -> None:
+    """One sampled turn of one episode: parse it, step the environment, append the ids."""
+    if getattr(comp, "error", None) is not None:  # the engine failed this prompt (retried already): it ends
+        ep.error, ep.done = comp.error, True
+        return
+    ep.record_routing(getattr(comp, "routing", None))
+    with _TOKENIZER:
+        message, parsed = renderer.assistant_message(comp.token_ids)
+    ended_with_eos = bool(comp.token_ids) and comp.token_ids[-1] in renderer.eos_token_ids
+    malformed = parsed.error is not None
+    env_messages: list[Message] = []
+    turn_reward = None
+    if comp.finish_reason == "length":
+        ep.done = True  # cut off mid-turn: nothing sensible to feed back
+    elif malformed:
+        env_messages = [Message("tool", f"Error: {parsed.error}. {renderer.tool_call_hint}")]
+    else:
+        try:
+            result = ep.env.step(message)  # a slow tool holds up this episode only (continuous schedule)
+            env_messages, ep.done, turn_reward = list(result.messages), result.done, result.reward
+            ep.info.update(result.info)
+        except Exception:
+            ep.error, ep.done = _error_text(), True
+    if last_turn:
+        ep.done = True
+    env_ids: list[int] = []
+    if not ep.done:
+        try:
+            with _TOKENIZER:
+                env_ids = renderer.continuation_ids(env_messages, ended_with_eos)
+        except Exception:  # the environment answered with something that cannot be rendered
+            ep.error, ep.done, env_messages = _error_text(), True, []
+        if len(ep.ids) + len(comp.token_ids) + len(env_ids) + params.max_new_tokens > max_context:
+            ep.done, ep.truncated_context, env_ids = True, True, []
+    finish = "length" if comp.finish_reason == "length" else (
+        "tool_call" if (message.tool_calls or malformed) else "stop")
+    ep.turns.append(
+        Turn(
+            message=message,
+            token_ids=comp.token_ids,
+            logprobs=comp.logprobs,
+            finish_reason=finish,
+            env_messages=tuple(env_messages) if env_ids else (),
+            env_ids=tuple(env_ids),
+            malformed_tool_call=malformed,
+            reward=turn_reward,
+        )
+    )
+    ep.ids += list(comp.token_ids) + env_ids
+
+
+def _close(ep: _Episode) -> None:
+    """Release what the environment holds (interpreter sessions), however the episode ended."""
+    close = getattr(ep.env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            ep.error = ep.error or _error_text()
+
+
+SCHEDULES = ("auto", "continuous", "lockstep")
+
+
 def run_episodes(
     engine: Engine,
     renderer: Renderer,
@@ -95,79 +176,49 @@ def run_episodes(
     params: SamplingParams,
     max_turns: int,
     max_context: int = 4096,
+    schedule: str = "auto",
 ) -> list[Trajectory]:
-    """One episode per row (repeat rows for groups), all advanced in lock-step turns."""
-    episodes = []
-    for row in rows:
-        ep = _Episode(env=make_env(), row=row)
-        try:
-            ep.prompt_messages, _tools, ep.prompt_ids = open_episode(renderer, ep.env, row)
-            ep.ids = list(ep.prompt_ids)
-        except Exception:
-            ep.error, ep.done = _error_text(), True
-        if not ep.done and len(ep.ids) + params.max_new_tokens > max_context:
-            ep.done, ep.truncated_context = True, True
-            ep.error = (f"the prompt ({len(ep.ids)} tokens) + max_new_tokens ({params.max_new_tokens}) does not fit in "
-                        f"max_context ({max_context})")
-        episodes.append(ep)
+    """One episode per row (repeat rows for groups).
 
-    for turn_index in range(max_turns):
-        active = [ep for ep in episodes if not ep.done]
-        if not active:
-            break
-        completions = engine.generate([ep.ids for ep in active], params)
-        last_turn = turn_index == max_turns - 1
-        for ep, comp in zip(active, completions):
-            if comp.error is not None:  # the engine failed this prompt (retried already): the episode ends
-                ep.error, ep.done = comp.error, True
-                continue
-            ep.record_routing(getattr(comp, "routing", None))
-            message, parsed = renderer.assistant_message(comp.token_ids)
-            ended_with_eos = bool(comp.token_ids) and comp.token_ids[-1] in renderer.eos_token_ids
-            malformed = parsed.error is not None
-            env_messages: list[Message] = []
-            turn_reward = None
-            if comp.finish_reason == "length":
-                ep.done = True  # cut off mid-turn: nothing sensible to feed back
-            elif malformed:
-                env_messages = [Message("tool", f"Error: {parsed.error}. {renderer.tool_call_hint}")]
-            else:
+    continuous: every episode runs on its own thread, sending each turn to the engine as a
+        request (`engine.submit`) the moment its previous tool call returns; the engine batches
+        whatever requests are live, so a slow tool holds up only its own episode.
+    lockstep: every active episode's turn goes to the engine as one batch, and the next turn
+        starts when every tool of this one has returned (the baseline in benchmarks/).
+    auto: continuous when the engine batches continuously (HFEngine), else lockstep.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got `{schedule}`")
+    if schedule == "auto":
+        schedule = "continuous" if engine.continuous_batching else "lockstep"
+    episodes = [_Episode(env=make_env(), row=row) for row in rows]
+    if schedule == "lockstep":
+        for ep in episodes:
+            _start(ep, renderer, params, max_context)
+        for turn_index in range(max_turns):
+            active = [ep for ep in episodes if not ep.done]
+            if not active:
+                break
+            completions = engine.generate([ep.ids for ep in active], params)
+            for ep, comp in zip(active, completions):
+                _advance(ep, comp, renderer, params, turn_index == max_turns - 1, max_context)
+    else:
+        def episode(ep: _Episode) -> None:
+            _start(ep, renderer, params, max_context)
+            for turn_index in range(max_turns):
+                if ep.done:
+                    break
                 try:
-                    result = ep.env.step(message)
-                    env_messages, ep.done, turn_reward = list(result.messages), result.done, result.reward
-                    ep.info.update(result.info)
-                except Exception:
+                    comp = engine.submit(ep.ids, params).result()
+                except Exception:  # the engine failed this request: this episode fails
                     ep.error, ep.done = _error_text(), True
-            if last_turn:
-                ep.done = True
-            env_ids: list[int] = []
-            if not ep.done:
-                try:
-                    env_ids = renderer.continuation_ids(env_messages, ended_with_eos)
-                except Exception:  # the environment answered with something that cannot be rendered
-                    ep.error, ep.done, env_messages = _error_text(), True, []
-                if len(ep.ids) + len(comp.token_ids) + len(env_ids) + params.max_new_tokens > max_context:
-                    ep.done, ep.truncated_context, env_ids = True, True, []
-            finish = "length" if comp.finish_reason == "length" else (
-                "tool_call" if (message.tool_calls or malformed) else "stop")
-            ep.turns.append(
-                Turn(
-                    message=message,
-                    token_ids=comp.token_ids,
-                    logprobs=comp.logprobs,
-                    finish_reason=finish,
-                    env_messages=tuple(env_messages) if env_ids else (),
-                    env_ids=tuple(env_ids),
-                    malformed_tool_call=malformed,
-                    reward=turn_reward,
-                )
-            )
-            ep.ids += list(comp.token_ids) + env_ids
-    for ep in episodes:  # release what environments hold (interpreter sessions), however they ended
-        close = getattr(ep.env, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception:
-                ep.error = ep.error or _error_text()
+                    break
+                _advance(ep, comp, renderer, params, turn_index == max_turns - 1, max_context)
+
+        if episodes:
+            with ThreadPoolExecutor(max_workers=min(len(episodes), MAX_EPISODE_THREADS),
+                                    thread_name_prefix="episode") as pool:
+                list(pool.map(episode, episodes))
+    for ep in episodes:
+        _close(ep)
     return [ep.trajectory() for ep in episodes]

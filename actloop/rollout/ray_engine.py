@@ -34,7 +34,7 @@ import torch
 import actloop.rewards.code as code_rewards
 from actloop.config import Config, RayConfig
 from actloop.models import load_models
-from actloop.rollout.engine import Completion, HFEngine, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, HFEngine, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.isolation import describe
 from actloop.rollout.renderer import Renderer
@@ -115,10 +115,11 @@ class RolloutWorker:
         return self.engine.generated_tokens
 
 
-class RayEngine:
+class RayEngine(EngineBase):
     """The driver's handle on the rollout actors: the `Engine` interface, sharded."""
 
     weights = "copy"
+    runs_episodes = True  # whole episodes, environment steps too, run on the workers
 
     def __init__(self, workers: list[Any], lora: bool = False, sandbox: Any = None, spawn: Any = None):
         if not workers:

@@ -56,7 +56,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 
 # --- pure translation ------------------------------------------------------------------------
 
@@ -82,7 +82,7 @@ def vllm_sampling_kwargs(params: SamplingParams, eos_token_ids: Iterable[int], s
         # tokenizer/generation_config EOS ids; stop_token_ids still stop and are returned)
         "ignore_eos": True,
         "stop_token_ids": [int(t) for t in eos_token_ids],
-        "stop": list(stop_strings),
+        "stop": list(stop_strings) + [s for s in params.stop if s not in stop_strings],
         "include_stop_str_in_output": True,  # the stop string is part of the turn (</tool_call>)
         "skip_special_tokens": False,
         "logprobs": 0,  # the sampled token's own log-prob only
@@ -166,7 +166,7 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
 # --- colocated -----------------------------------------------------------------------------
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """vLLM colocated with the trainer on one GPU (`rollout.engine=vllm`)."""
 
     weights = "copy"
@@ -366,7 +366,7 @@ class HTTPError(RuntimeError):
         self.status = status
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(EngineBase):
     """A separately started `vllm serve` (`rollout.engine=vllm-server`). Launch it with
     `--logprobs-mode processed_logprobs` (log-probs under the sampling temperature) and, for
     full-weight sync, VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend": "nccl"}'`;

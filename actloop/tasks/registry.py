@@ -155,20 +155,22 @@ def _use_configured_sandbox(cfg: Config) -> None:
         raise ConfigError(f"sandbox.backend={sc.backend}: {e}") from None
 
 
-def build_task(cfg: Config) -> LoadedTask:
-    """The task `cfg` describes, resolved for a run: environment factory, a new rubric, rows."""
+def build_task(cfg: Config, definition: Task | None = None) -> LoadedTask:
+    """The task `cfg` describes, resolved for a run: environment factory, a new rubric, rows.
+    `definition` replaces the one `data.task` names (the gateway's agent task, built from
+    `agent.entry`)."""
     _check_data_keys(cfg)
     _use_configured_sandbox(cfg)
     user_terms = _user_terms(cfg)
     if cfg.data.mix:
         return _build_mix(cfg, user_terms)
-    if cfg.data.path and cfg.data.task == DEFAULT_TASK:
+    if cfg.data.path and cfg.data.task == DEFAULT_TASK and definition is None:
         if not user_terms:
             raise ConfigError("data.path needs reward.funcs: name at least one reward function")
         train, held, info, notes = _path_rows(cfg)
         rubric = Rubric(user_terms, completion=cfg.reward.completion, success_threshold=cfg.reward.success_threshold)
         return LoadedTask("custom", ChatEnv, rubric, train, held, info={"load": info, "notes": notes})
-    task = resolve(cfg.data.task, cfg)
+    task = definition or resolve(cfg.data.task, cfg)
     notes: list[str] = []
     if cfg.data.path:  # the user's rows, the task's environment and rubric
         train, held, info, notes = _path_rows(cfg, validate=None)

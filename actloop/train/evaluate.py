@@ -18,7 +18,19 @@ from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.rewards.rubric import Rubric
-from actloop.types import Scored
+from actloop.types import Scored, Trajectory
+
+
+def task_episodes(task: LoadedTask, engine: Engine, renderer: Renderer, rows: list[dict[str, Any]],
+                  params: SamplingParams, max_turns: int, max_context: int = 4096,
+                  schedule: str = "auto") -> list[Trajectory]:
+    """The task's episodes for `rows`, however they run: the task's own runner (the agent task
+    behind the gateway), whole episodes on the engine's workers (Ray), or the episode runner here."""
+    if task.rollout is not None:
+        return task.rollout(engine, renderer, task.make_env, rows, params, max_turns, max_context)
+    if engine.runs_episodes:
+        return engine.run_episodes(rows, params, max_turns, max_context)
+    return run_episodes(engine, renderer, task.make_env, rows, params, max_turns, max_context, schedule=schedule)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -47,7 +59,8 @@ def row_id(row: dict[str, Any], index: int) -> Any:
 def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[dict[str, Any]], max_new_tokens: int,
              max_turns: int, *, samples_per_problem: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              ks: Sequence[int] | None = None, grade_workers: int | None = None,
-             keep_samples: int = 3, keep_problems: bool = False, max_context: int = 4096) -> dict[str, Any]:
+             keep_samples: int = 3, keep_problems: bool = False, max_context: int = 4096,
+             schedule: str = "auto") -> dict[str, Any]:
     """Success rate (greedy when `temperature` is 0), mean reward, tool use, and with several
     samples per problem pass@k for each k in `ks` (default 1 and `samples_per_problem`).
     `grade_workers` sandboxes grade at once; `keep_problems` adds one record per problem."""
@@ -59,8 +72,8 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
     params = (SamplingParams(max_new_tokens=max_new_tokens, greedy=True) if temperature <= 0 else
               SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p))
     t0 = time.time()
-    trajs = (task.rollout or run_episodes)(engine, renderer, task.make_env, [r for r in rows for _ in range(k_samples)], params,
-                         max_turns, max_context)
+    trajs = task_episodes(task, engine, renderer, [r for r in rows for _ in range(k_samples)], params, max_turns,
+                          max_context, schedule)
     t_roll = time.time()
     scored = task.rubric.score(trajs)
     t_grade = time.time()

@@ -21,19 +21,19 @@ from actloop.algos.batching import dynamic_sampling_filter
 from actloop.algos.shaping import overlong_penalty
 from actloop.config import Config, ConfigError, load_config
 from actloop.data.mix import per_source_metrics
-from actloop.tasks import LoadedTask, build_task
+from actloop.gateway.agent import build_run_task
+from actloop.tasks import LoadedTask
 from actloop.models import Models, load_models
 from actloop.models.routing import require_routing
 from actloop.monitor.metrics import mean, std
 from actloop.monitor.monitor import Monitor
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.factory import make_engine
-from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
-from actloop.train.evaluate import evaluate
+from actloop.train.evaluate import evaluate, task_episodes
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
 from actloop.train.critic import Critic
@@ -100,11 +100,8 @@ def rollout_groups(cfg: Config, task: LoadedTask, engine, renderer, sampler: Pro
             break
         rows = sampler.next(n)
         episode_rows = [r for r in rows for _ in range(G)]
-        if hasattr(engine, "run_episodes"):  # Ray: whole episodes, environment steps too, run on the workers
-            trajs = engine.run_episodes(episode_rows, sampling, cfg.rollout.max_turns, cfg.rollout.max_context)
-        else:
-            trajs = (task.rollout or run_episodes)(engine, renderer, task.make_env, episode_rows, sampling,
-                                                   cfg.rollout.max_turns, cfg.rollout.max_context)
+        trajs = task_episodes(task, engine, renderer, episode_rows, sampling, cfg.rollout.max_turns,
+                              cfg.rollout.max_context, cfg.rollout.schedule)
         t0 = time.time()
         scored = shape_rewards(cfg, task.rubric.score(trajs))
         scoring_s += time.time() - t0
@@ -163,6 +160,10 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
         "truncated_context": sum(t.truncated_context for t in trajs),
         "failed_rollouts": sum(s.masked for s in scored),
     }
+    gateway = [t.info["gateway"] for t in trajs if "gateway" in t.info]  # agent episodes (actloop.gateway)
+    if gateway:
+        for k in ("calls", "extensions", "new_segments", "drift"):
+            record[f"gateway/{k}"] = sum(g[k] for g in gateway)
     record.update(per_source_metrics(scored))  # source/<name>/... when rows come from a data.mix
     names = sorted({k for s in scored for k in s.components})
     for k in names:
@@ -240,7 +241,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         torch.set_num_threads(cfg.train.threads)
     dist = init_distributed(cfg)  # torchrun: this rank's place; one process: a no-op (docs/distributed.md)
     print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
-    task: LoadedTask = build_task(cfg)  # config, reward functions and data checked before a run directory exists
+    # config, reward functions and data checked before a run directory exists (agent.entry: agent code behind
+    # the gateway, as a registry task)
+    task: LoadedTask = build_run_task(cfg)
     run_dir, ckpt = open_run(cfg, print_fn) if dist.is_main else (dist.scratch_dir(), None)
     ckpt_dir = dist.broadcast_object(run_dir)  # sharded checkpoints: every rank writes into rank 0's
     ckpt = dist.broadcast_object(ckpt)
@@ -336,7 +339,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         if not dist.is_main:  # rank 0 evaluates; the others wait for it at the next collective
             return None
         res = evaluate(engine, renderer, task, rows if rows is not None else task.eval_rows,
-                       cfg.rollout.max_new_tokens, cfg.rollout.max_turns, max_context=cfg.rollout.max_context)
+                       cfg.rollout.max_new_tokens, cfg.rollout.max_turns, max_context=cfg.rollout.max_context,
+                       schedule=cfg.rollout.schedule)
         if rows is None:
             summary[label] = res
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
@@ -360,8 +364,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             t1 = t2 - scoring_s  # rollout time excludes scoring
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
             #    failed trajectories are masked (a step with nothing valid trains nothing)
-            if hasattr(engine, "sleep"):
-                engine.sleep()  # a colocated vLLM frees its GPU memory for the update
+            engine.sleep()  # a colocated vLLM frees its GPU memory for the update (a no-op elsewhere)
             upd = rl_update(ctx, scored, cfg.train.group_size)
             with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)

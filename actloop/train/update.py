@@ -186,18 +186,43 @@ def compute_advantages(ctx: UpdateContext, scored: list[Scored], valid: list[int
     return ({i: adv[i, : lengths[i]] for i in range(n)}, {i: ret[i, : lengths[i]] for i in range(n)}, metrics)
 
 
+def expand_segments(scored: list[Scored]) -> tuple[list[Scored], dict[int, int]]:
+    """Episodes with several segments (an agent that rewrote its history; actloop.gateway):
+    each earlier segment becomes an item of its own after the batch, trained with its episode's
+    reward. -> (items, {item index: episode index})."""
+    import dataclasses
+
+    items, owner = list(scored), {}
+    for i, s in enumerate(scored):
+        for seg in s.trajectory.segments:
+            owner[len(items)] = i
+            items.append(dataclasses.replace(s, trajectory=seg))
+    return items, owner
+
+
 def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict[str, Any]:
     cfg, t = ctx.cfg, ctx.cfg.train
     policy = ctx.models.policy
-    valid = [i for i, s in enumerate(scored) if not s.masked]
     est = ADVANTAGE_ESTIMATORS[estimator_name(cfg)]
+    episodes, valid_episodes = scored, [i for i, s in enumerate(scored) if not s.masked]
+    # a segment shares its episode's sequence-level advantage; token-level estimators (PPO, turn
+    # credit) follow one token sequence, so they train an episode's last segment only
+    seq_level = est.level == "sequence" and estimator_name(cfg) != "turn_grpo"
+    scored, owner = expand_segments(episodes) if seq_level else (episodes, {})
+    segments_dropped = 0 if seq_level else sum(len(s.trajectory.segments) for s in episodes if not s.masked)
+    valid = [i for i, s in enumerate(scored) if not s.masked]
     mb_size = t.minibatch_size or len(valid) or 1
     on_policy = t.epochs == 1 and mb_size >= len(valid)
     need_ref = ctx.beta > 0 and ctx.models.reference_model() is not None
     need_values = est.needs_critic
     need_old = not on_policy or need_values or (need_ref and cfg.kl.mode == "reward")
     old, ref, values = _packed_pass(ctx, scored, valid, need_ref, need_values) if (need_old or need_ref) else ({}, {}, {})
-    adv, returns, metrics = compute_advantages(ctx, scored, valid, group_size, old, ref, values)
+    adv, returns, metrics = compute_advantages(ctx, episodes, valid_episodes, group_size, old, ref, values)
+    for j, i in owner.items():
+        if not scored[j].masked:
+            adv[j] = torch.full((sum(scored[j].trajectory.loss_mask),), float(adv[i][0]) if len(adv[i]) else 0.0)
+    if owner or segments_dropped:
+        metrics.update(extra_segments=sum(1 for j in owner if not scored[j].masked), segments_dropped=segments_dropped)
 
     # Trajectories with zero advantage add nothing to a sequence-level policy gradient: skip them
     # when nothing else (a KL loss term, an entropy bonus) needs them. They still count below.

@@ -2,10 +2,10 @@
 
 import pytest
 
-from actloop.rollout.engine import Completion
+from actloop.rollout.engine import Completion, EngineBase
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     """Call i answers with script[i]: one text for every active row, or a list with one text per
     active row. Ids come from the tokenizer; a reply ending in </tool_call> stops there, any other
     ends with EOS."""

@@ -3,26 +3,35 @@ environment failures."""
 
 from actloop.envs.base import StepResult
 from actloop.tasks.calculator import CalculatorEnv
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.types import Message
 
 
-class ScriptedEngine:
-    """Answers each call with the next scripted text for every row (ids via the tokenizer)."""
+class ScriptedEngine(EngineBase):
+    """Answers turn k of every episode with script[k] (ids via the tokenizer). The turn is read
+    off the prompt (its assistant turns beyond the opening prompt's), so episodes may arrive in
+    any order and batching (the continuous schedule sends each episode's turns on their own)."""
 
     def __init__(self, renderer, script, eos=True):
-        self.r, self.script, self.calls, self.eos = renderer, list(script), 0, eos
+        self.r, self.script, self.eos, self.base = renderer, list(script), eos, None
+
+    def _turn(self, prompt):
+        n = self.r.decode(prompt).count("<|im_start|>assistant")
+        self.base = n if self.base is None else min(self.base, n)
+        return n - self.base
 
     def generate(self, prompts, params):
-        text = self.script[self.calls]
-        self.calls += 1
-        ids = self.r.encode(text)
-        stop = text.endswith("</tool_call>")
-        if not stop and self.eos:
-            ids = ids + [self.r.eos_token_ids[0]]
-        return [Completion(tuple(ids), tuple([-0.5] * len(ids)), "stop_string" if stop else "stop") for _ in prompts]
+        out = []
+        for p in prompts:
+            text = self.script[self._turn(p)]
+            ids = self.r.encode(text)
+            stop = text.endswith("</tool_call>")
+            if not stop and self.eos:
+                ids = ids + [self.r.eos_token_ids[0]]
+            out.append(Completion(tuple(ids), tuple([-0.5] * len(ids)), "stop_string" if stop else "stop"))
+        return out
 
     def sync_weights(self, model):
         pass
@@ -85,3 +94,12 @@ def test_per_turn_rewards_are_kept(tokenizer):
     eng = ScriptedEngine(r, [CALL, "The answer is 161."])
     [t] = run_episodes(eng, r, RewardingEnv, [ROW], SamplingParams(max_new_tokens=64), max_turns=3)
     assert [turn.reward for turn in t.turns] == [0.25, 0.25]
+
+
+def test_lockstep_schedule_gives_the_same_episodes(tokenizer):
+    r = Renderer(tokenizer)
+    rows = [ROW, {"question": "boom", "answer": 0}, ROW]
+    runs = [run_episodes(ScriptedEngine(r, [CALL, "The answer is 161."]), r, ExplodingEnv, rows,
+                         SamplingParams(max_new_tokens=64), max_turns=3, schedule=s) for s in ("continuous", "lockstep")]
+    for a, b in zip(*runs):
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and (a.error is None) == (b.error is None)

@@ -17,7 +17,7 @@ from actloop.envs.base import ChatEnv, StepResult
 from actloop.rewards.code import CodeGrader
 from actloop.rewards.judge import Judge, JudgeConfig, PassFail, judge_usage
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox import ExecResult, get_sandbox
@@ -30,7 +30,7 @@ def constant(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     """Answers every prompt with the same ids; `finish` "length" imitates a cut-off reply."""
 
     def __init__(self, ids, finish="stop"):

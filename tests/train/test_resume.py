@@ -39,6 +39,8 @@ def tiny(tmp_path: Path, name: str) -> list[str]:
             "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=2",
             "checkpoint.keep=1", "checkpoint.at_end=true", "train.beta=0.04", "kl.controller=adaptive",
             f"reward.funcs=[{reward}:varied]",
+            # lockstep: continuous batching's batches depend on thread timing, so it is not bit-reproducible
+            "rollout.schedule=lockstep",
             f"output_dir={tmp_path}", f"run_name={name}", "--no-progress"]
 
 

@@ -13,7 +13,7 @@ import torch
 from actloop.config import load_config
 from actloop.data.jsonl import DataError
 from actloop.tasks.calculator import CalculatorEnv, make_splits
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.train.pairs import (calculator_gold_messages, calculator_gold_sequences, load_sft_sequences,
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
 
-class TeacherEngine:
+class TeacherEngine(EngineBase):
     """Returns the given assistant turns as if sampled: ids via the tokenizer, an EOS after a
     turn that does not end in a tool call (the engine stops at `</tool_call>` otherwise)."""
 

@@ -1,0 +1,197 @@
+"""OpenAI chat requests <-> the renderer: the one seam between the gateway and the chat format.
+
+    messages = to_messages(body["messages"])          # validated; RequestError on bad input
+    tools = check_tools(body.get("tools"))
+    ids = fmt.prompt_ids(messages, tools)             # the prompt the engine continues
+    ids += fmt.continuation_ids(new_messages, eos)    # what follows sampled ids (mask 0)
+    content, reasoning, calls, error = fmt.parse(sampled_ids)
+
+Everything format-specific (tool-call syntax, how tools are announced, EOS handling) goes
+through `Renderer`; when the renderer grows a chat-format table, only `ChatFormat` changes.
+Templates that take a `tools` argument (Qwen, Hermes) get the schemas there; others (the
+embedded SmolLM2's) get them as a system message in the Hermes convention the parser reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer, parse_tool_calls
+from actloop.types import Message, ToolCall
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestError(ValueError):
+    """A request the server refuses: becomes an OpenAI-style error body with this status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _text(content: Any, where: str) -> str:
+    """OpenAI content: a string, null, or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
+                    or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.content[{k}]: only text parts are supported", f"{where}.content")
+            out.append(part["text"])
+        return "".join(out)
+    raise RequestError(f"{where}.content must be a string, null or a list of text parts", f"{where}.content")
+
+
+def _tool_call(tc: Any, where: str) -> ToolCall:
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(f"{where}: a tool call needs function.name", where)
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise RequestError(f"{where}.function.arguments is not valid JSON", where) from None
+    if not isinstance(args, dict):
+        raise RequestError(f"{where}.function.arguments must be a JSON object", where)
+    return ToolCall(name=fn["name"], arguments=args)
+
+
+def to_messages(raw: Any) -> list[Message]:
+    """Validate OpenAI `messages` and convert them (developer -> system; assistant tool calls are
+    kept as ToolCall objects)."""
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("`messages` must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role")
+        if "content" not in m and not (role == "assistant" and m.get("tool_calls")):
+            raise RequestError(f"{where} has no content", f"{where}.content")
+        text = _text(m.get("content"), where)
+        calls: tuple[ToolCall, ...] = ()
+        if role == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            calls = tuple(_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m["tool_calls"]))
+        name = m.get("name") if isinstance(m.get("name"), str) else None
+        out.append(Message("system" if role == "developer" else role, text, tool_calls=calls, name=name))
+    return out
+
+
+def check_tools(raw: Any) -> list[dict[str, Any]]:
+    """Validate `tools` (function tools with a name and a JSON-schema object of parameters)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise RequestError("`tools` must be a list", "tools")
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema of type object",
+                               f"tools[{i}].function.parameters")
+    return raw
+
+
+def tool_choice_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:
+    """Apply `tool_choice`: none hides the tools; a named function keeps only that one; auto and
+    required keep them all (required is not enforced in sampling)."""
+    if choice in (None, "auto", "required"):
+        return tools
+    if choice == "none":
+        return []
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        kept = [t for t in tools if t["function"]["name"] == name]
+        if not kept:
+            raise RequestError(f"tool_choice names `{name}`, which is not in `tools`", "tool_choice")
+        return kept
+    raise RequestError("tool_choice must be none, auto, required or {\"type\": \"function\", ...}", "tool_choice")
+
+
+def tools_system_text(tools: list[dict[str, Any]]) -> str:
+    lines = "\n".join(json.dumps(t["function"], sort_keys=True) for t in tools)
+    return ("You can call these tools:\n<tools>\n" + lines + "\n</tools>\nTo call one, write "
+            f'{TOOL_CALL_OPEN}{{"name": "...", "arguments": {{...}}}}{TOOL_CALL_CLOSE} and wait for its result.')
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str  # the text outside tool calls
+    reasoning: str | None
+    tool_calls: tuple[ToolCall, ...]
+    error: str | None  # a malformed tool call (the text stays in `content`)
+
+
+class ChatFormat:
+    """The gateway's view of a chat format, over today's `Renderer`."""
+
+    def __init__(self, renderer: Renderer):
+        self.renderer = renderer
+        self.tokenizer = renderer.tokenizer
+        self.template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
+        self.eos_token_ids = renderer.eos_token_ids
+        self.stop_strings = renderer.stop_strings
+
+    def _template_message(self, m: Message) -> dict[str, Any]:
+        if m.role == "assistant" and m.tool_calls:  # back to the text the parser reads
+            calls = "".join(f"{TOOL_CALL_OPEN}{json.dumps({'name': c.name, 'arguments': c.arguments})}{TOOL_CALL_CLOSE}"
+                            for c in m.tool_calls)
+            return {"role": "assistant", "content": (m.content + calls) if m.content else calls}
+        return self.renderer.as_template_message(m)
+
+    def _with_tools(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Message]:
+        if not tools or self.template_takes_tools:
+            return messages
+        text = tools_system_text(tools)
+        if messages and messages[0].role == "system":
+            return [Message("system", messages[0].content + "\n\n" + text), *messages[1:]]
+        return [Message("system", text), *messages]
+
+    def prompt_text(self, messages: list[Message], tools: list[dict[str, Any]]) -> str:
+        msgs = [self._template_message(m) for m in self._with_tools(messages, tools)]
+        kw = {"tools": tools} if tools and self.template_takes_tools else {}
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[int]:
+        return self.renderer.encode(self.prompt_text(messages, tools))
+
+    def continuation_ids(self, messages: list[Message], ended_with_eos: bool) -> list[int]:
+        msgs = [Message("assistant", self._template_message(m)["content"]) if m.role == "assistant" else m
+                for m in messages]
+        return self.renderer.continuation_ids(msgs, ended_with_eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.renderer.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.renderer.decode(ids)
+
+    def parse(self, ids: list[int] | tuple[int, ...]) -> Parsed:
+        message, parsed = self.renderer.assistant_message(ids)
+        text = message.content
+        content = text
+        if parsed.calls and parsed.error is None:  # the text around the calls is the content
+            start = text.find(TOOL_CALL_OPEN)
+            content = text[:start].strip()
+        return Parsed(content=content, reasoning=None, tool_calls=parsed.calls, error=parsed.error)

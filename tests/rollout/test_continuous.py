@@ -1,0 +1,105 @@
+"""Continuous batching in HFEngine: requests joining a live batch at token boundaries, rows
+leaving, the prefix cache — each checked against the trainer's log-probs of the same ids."""
+
+import threading
+import time
+
+import torch
+
+from actloop.rollout.engine import HFEngine, PrefixCache, SamplingParams
+from actloop.train.logprobs import token_logprobs
+
+
+def _tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _max_diff(model, prompts, comps, temperatures=None):
+    """Largest |engine - trainer| log-prob, each row at its own sampling temperature."""
+    worst = 0.0
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        t = temperatures[i] if temperatures else 1.0
+        with torch.no_grad():
+            out = token_logprobs(model, [p + list(c.token_ids)], [[0] * len(p) + [1] * len(c.token_ids)], t, "fp32")
+        worst = max(worst, float((torch.tensor(c.logprobs) - out.logp[0][out.mask[0]]).abs().max()))
+    return worst
+
+
+def test_requests_joining_a_live_batch_get_exact_logprobs():
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(), precision="fp32", weights="copy")
+    params = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in ((40, 1.0), (7, 0.7), (25, 1.3), (3, 1.0))]
+    prompts = [[5, 6, 7, 8, 9], [5, 6, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 12]]
+    futures = []
+    for p, sp in zip(prompts, params):  # staggered: each arrives while the earlier ones decode
+        futures.append(engine.submit(p, sp))
+        time.sleep(0.02)
+    comps = [f.result(timeout=60) for f in futures]
+    assert [len(c.token_ids) for c in comps] == [40, 7, 25, 3] and all(c.finish_reason == "length" for c in comps)
+    assert engine.stats["admitted"] == 4 and engine.stats["reused_tokens"] > 0  # [5, 6, ...] came from the cache
+    assert _max_diff(model, prompts, comps, [sp.temperature for sp in params]) < 1e-4
+    engine.close()
+
+
+def test_many_threads_submitting_at_once():
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(), precision="fp32", weights="copy")
+    prompts = [[1 + i % 7, 2, 3 + i] for i in range(12)]
+    comps = [None] * 12
+
+    def work(i):
+        comps[i] = engine.submit(prompts[i], SamplingParams(max_new_tokens=5 + i, temperature=1.0)).result(timeout=60)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [len(c.token_ids) for c in comps] == [5 + i for i in range(12)]
+    assert _max_diff(model, prompts, comps) < 1e-4
+    engine.close()
+
+
+def test_a_finished_turn_is_reused_by_the_next_call_and_the_cache_empties_at_sleep():
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(), precision="fp32", weights="copy")
+    first = [9, 8, 7, 6, 5, 4]
+    c1 = engine.generate([first], SamplingParams(max_new_tokens=6))[0]
+    nxt = first + list(c1.token_ids) + [1, 2, 3]  # the agent's next call: previous ids + a tool result
+    before = engine.stats["reused_tokens"]
+    c2 = engine.generate([nxt], SamplingParams(max_new_tokens=4))[0]
+    # reused: the prompt and every sampled token but the last (it was sampled, never fed back)
+    assert engine.stats["reused_tokens"] - before == len(first) + len(c1.token_ids) - 1
+    assert _max_diff(model, [nxt], [c2]) < 1e-4
+    engine.sleep()
+    assert not engine.prefix_cache.entries
+    engine.close()
+
+
+def test_errors_reach_the_request_and_the_engine_goes_on():
+    engine = HFEngine(_tiny(), None, eos_token_ids=(), precision="fp32", weights="copy")
+    bad = engine.submit([1, 2, 999], SamplingParams(max_new_tokens=3))  # id outside the vocabulary
+    try:
+        bad.result(timeout=60)
+        raise AssertionError("expected the request to fail")
+    except (IndexError, RuntimeError):
+        pass
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+    engine.close()
+
+
+def test_prefix_cache_lookup_and_eviction():
+    kv = lambda n: [(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2))]  # noqa: E731
+    cache = PrefixCache(max_tokens=10)
+    cache.put([1, 2, 3, 4], kv(4))
+    cache.put([1, 2, 9], kv(3))
+    assert cache.lookup([1, 2, 3, 4, 5])[0] == 4
+    assert cache.lookup([1, 2, 3, 4])[0] == 3  # the last prompt token is always fed
+    assert cache.lookup([7, 1])[0] == 0
+    cache.put([5, 5, 5, 5, 5], kv(5))  # 12 tokens > 10: the least recently used goes
+    assert cache.tokens <= 10 and (1, 2, 9) not in cache.entries
