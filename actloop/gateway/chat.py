@@ -6,22 +6,22 @@
     ids += fmt.continuation_ids(new_messages, eos)    # what follows sampled ids (mask 0)
     content, reasoning, calls, error = fmt.parse(sampled_ids)
 
-Everything format-specific (tool-call syntax, how tools are announced, EOS handling) goes
-through `Renderer`; when the renderer grows a chat-format table, only `ChatFormat` changes.
-Templates that take a `tools` argument (Qwen, Hermes) get the schemas there; others (the
-embedded SmolLM2's) get them as a system message in the Hermes convention the parser reads.
+Everything format-specific (tool-call syntax, how tools are announced, reasoning, EOS
+handling) is the renderer's chat format (hermes, qwen3, harmony); `ChatFormat` is the thin seam.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer, parse_tool_calls
+from actloop.rollout.renderer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Renderer
 from actloop.types import Message, ToolCall
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r".*?" + re.escape(TOOL_CALL_CLOSE), re.S)  # Hermes / Qwen3
 
 
 class RequestError(ValueError):
@@ -129,12 +129,6 @@ def tool_choice_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str
     raise RequestError("tool_choice must be none, auto, required or {\"type\": \"function\", ...}", "tool_choice")
 
 
-def tools_system_text(tools: list[dict[str, Any]]) -> str:
-    lines = "\n".join(json.dumps(t["function"], sort_keys=True) for t in tools)
-    return ("You can call these tools:\n<tools>\n" + lines + "\n</tools>\nTo call one, write "
-            f'{TOOL_CALL_OPEN}{{"name": "...", "arguments": {{...}}}}{TOOL_CALL_CLOSE} and wait for its result.')
-
-
 @dataclass(frozen=True)
 class Parsed:
     content: str  # the text outside tool calls
@@ -144,42 +138,21 @@ class Parsed:
 
 
 class ChatFormat:
-    """The gateway's view of a chat format, over today's `Renderer`."""
+    """The gateway's view of the chat format: the renderer's (`actloop.rollout.formats`), which
+    declares tools in the model's own way (a template's `tools`, or the Hermes system prompt for
+    one without) and parses content, reasoning and tool calls out of sampled ids."""
 
     def __init__(self, renderer: Renderer):
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
-        self.template_takes_tools = "tools" in (self.tokenizer.chat_template or "")
         self.eos_token_ids = renderer.eos_token_ids
         self.stop_strings = renderer.stop_strings
 
-    def _template_message(self, m: Message) -> dict[str, Any]:
-        if m.role == "assistant" and m.tool_calls:  # back to the text the parser reads
-            calls = "".join(f"{TOOL_CALL_OPEN}{json.dumps({'name': c.name, 'arguments': c.arguments})}{TOOL_CALL_CLOSE}"
-                            for c in m.tool_calls)
-            return {"role": "assistant", "content": (m.content + calls) if m.content else calls}
-        return self.renderer.as_template_message(m)
-
-    def _with_tools(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[Message]:
-        if not tools or self.template_takes_tools:
-            return messages
-        text = tools_system_text(tools)
-        if messages and messages[0].role == "system":
-            return [Message("system", messages[0].content + "\n\n" + text), *messages[1:]]
-        return [Message("system", text), *messages]
-
-    def prompt_text(self, messages: list[Message], tools: list[dict[str, Any]]) -> str:
-        msgs = [self._template_message(m) for m in self._with_tools(messages, tools)]
-        kw = {"tools": tools} if tools and self.template_takes_tools else {}
-        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
-
     def prompt_ids(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[int]:
-        return self.renderer.encode(self.prompt_text(messages, tools))
+        return self.renderer.prompt_ids(messages, tools)
 
     def continuation_ids(self, messages: list[Message], ended_with_eos: bool) -> list[int]:
-        msgs = [Message("assistant", self._template_message(m)["content"]) if m.role == "assistant" else m
-                for m in messages]
-        return self.renderer.continuation_ids(msgs, ended_with_eos)
+        return self.renderer.continuation_ids(messages, ended_with_eos)
 
     def encode(self, text: str) -> list[int]:
         return self.renderer.encode(text)
@@ -188,10 +161,12 @@ class ChatFormat:
         return self.renderer.decode(ids)
 
     def parse(self, ids: list[int] | tuple[int, ...]) -> Parsed:
+        """Content (the text around well-formed tool calls, which go to `tool_calls` as in
+        OpenAI's shape), reasoning, tool calls, and the parse error of a malformed call (its text
+        then stays in the content)."""
         message, parsed = self.renderer.assistant_message(ids)
-        text = message.content
-        content = text
-        if parsed.calls and parsed.error is None:  # the text around the calls is the content
-            start = text.find(TOOL_CALL_OPEN)
-            content = text[:start].strip()
-        return Parsed(content=content, reasoning=None, tool_calls=parsed.calls, error=parsed.error)
+        content = message.content
+        if message.tool_calls and parsed.error is None:
+            content = _CALL_BLOCK.sub("", content).strip()
+        return Parsed(content=content, reasoning=message.reasoning or None, tool_calls=message.tool_calls,
+                      error=parsed.error)

@@ -74,6 +74,7 @@ def user_dir(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
     # the README's "Your own agent task in one file" names my_task.py: the complete example it points at
     (tmp_path / "my_task.py").write_text((ROOT / "examples" / "tasks" / "letter_count.py").read_text())
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the agent examples, named from the repository root
     (tmp_path / "solution.py").write_text("print(sum(range(10)))\n")
     (tmp_path / "answer.txt").write_text("```python\ndef remove_Occ(s, ch):\n    return s.replace(ch, '', 1)[::-1]"
                                          ".replace(ch, '', 1)[::-1]\n```\n")
@@ -106,14 +107,14 @@ def test_quoted_output_is_what_the_program_prints(user_dir, cmd, quoted):
 
 def check_train(args: list[str]) -> None:
     """A train command up to the point where training starts: config, reward functions, data."""
-    from actloop.tasks import build_task
+    from actloop.gateway.agent import build_run_task  # the registry's build_task; agent.entry: the agent task
     from actloop.train.checkpoint import resume_config
 
     path, overrides = _split_args(args)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     cfg = resume_config(resume, overrides) if resume else load_config(path, overrides)
     if cfg.rollout.engine == "hf" and cfg.algo not in ("dpo", "sft"):
-        build_task(cfg)
+        build_run_task(cfg)
 
 
 def check_options(args: list[str]) -> None:

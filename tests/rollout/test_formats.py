@@ -11,7 +11,7 @@ import pytest
 
 from actloop.tasks.calculator import CalculatorEnv
 from actloop.rewards.base import call_reward_func
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import open_episode, run_episodes
 from actloop.rollout.formats import detect
 from actloop.rollout.renderer import Renderer
@@ -52,7 +52,7 @@ def tokenizers(tokenizer, tiny_qwen3_dir, tiny_gpt_oss_dir):
             "harmony": AutoTokenizer.from_pretrained(tiny_gpt_oss_dir)}
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     """Returns the scripted turns as sampled ids (control tokens as the model would sample them)."""
 
     def __init__(self, renderer, script):
