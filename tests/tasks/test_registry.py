@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from actloop.cli import app
 from actloop.config import ConfigError, load_config
 from actloop.rewards.base import load_object
-from actloop.rollout.engine import Completion, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.tasks import BUILTIN, Task, build_task, resolve
@@ -146,7 +146,7 @@ def test_a_task_can_supply_its_own_rollout(tmp_path, tokenizer):
 DEMO_PROMPT_SHA256 = "696ae99f5fcc910fabccaa481e6c6d1132a73a020da6d334a1bb05495f117334"
 
 
-class _PromptRecorder:
+class _PromptRecorder(EngineBase):
     """An engine that records the prompts it is asked to continue and ends every episode there."""
 
     def __init__(self):
