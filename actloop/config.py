@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from actloop.algos import REGISTRIES as REG
+from actloop.algos import ALGORITHMS, REGISTRIES as REG
 
 
 class ConfigError(ValueError):
@@ -114,6 +114,10 @@ class RolloutConfig:
     temperature: float = opt(0.8, "Sampling temperature during training rollouts (log-probs use it too).")
     top_p: float = opt(1.0, "Nucleus sampling during training rollouts (1.0 = off).")
     max_turns: int = opt(3, "Most assistant turns in one episode before it is cut off.")
+    max_batch: int = opt(
+        32, "Most episodes run at once, in training rollouts and in evaluation (the engine's KV cache and logits "
+        "grow with it); more are run in consecutive batches. The default is the default step's prompts x group "
+        "(4 x 8), so it bounds a large evaluation without changing a step's sampling. 0 = all at once.")
     max_context: int = opt(
         4096, "Most tokens in one episode (prompt + every turn + tool results); an episode whose next turn would "
         "not fit is ended and counted as `truncated_context`.")
@@ -213,13 +217,20 @@ class TrainConfig:
     max_grad_norm: float = opt(1.0, "Gradient clipping by global norm.")
     warmup_steps: int = opt(0, "Linear learning-rate warm-up steps.")
     micro_batch_size: int = opt(16, "Trajectories per forward/backward pass (gradient accumulation).")
+    malloc_trim: bool = opt(
+        True, "After each phase (model load, evaluation, rollout, update, checkpoint) hand freed C-heap memory back "
+        "to the OS (glibc malloc_trim): otherwise the RSS stays near one phase's peak and the next phase's adds to it.")
+    max_tokens_per_microbatch: int = opt(
+        4096, "Token budget of one forward/backward pass: a micro-batch holds at most this many padded tokens "
+        "(trajectories x the longest's length) as well as at most train.micro_batch_size trajectories; bounds the "
+        "update's activation memory whatever the episode lengths (0 = no budget).")
     loss_agg: str = opt(
         "seq_mean",
         "Loss aggregation: `seq_mean` (per-sequence mean, GRPO), `token_mean` (DAPO) or `constant` "
         "(Dr. GRPO: a fixed normaliser, max_new_tokens * max_turns per sequence).",
     )
     adv_scale: str = opt(
-        "group", "Advantage scaling for grpo: `group` std (GRPO), `batch` std, or `none` (Dr. GRPO)."
+        "group", "Advantage scaling for grpo (and its turn credit): `group` std (GRPO), `batch` std, or `none` (Dr. GRPO)."
     )
     policy_loss: str = opt("ppo_clip", "Policy loss: `ppo_clip` (token ratios) or `gspo` (sequence-level ratio).")
     clip_low: float | None = opt(None, "Lower clip range (ratio >= 1 - clip_low); default clip_eps.")
@@ -296,7 +307,7 @@ class CorrectionConfig:
 
 @dataclass
 class PPOConfig:
-    gamma: float = opt(1.0, "PPO/GAE discount per token.")
+    gamma: float = opt(1.0, "Discount per token: PPO's GAE and reinforce_pp_token's return-to-go.")
     lam: float = opt(0.95, "GAE lambda.")
     value_clip: float | None = opt(0.2, "Value-function clipping range (None = off).")
     critic_lr: float = opt(1e-4, "Critic learning rate.")
@@ -464,8 +475,8 @@ class Config:
         "a name already used is refused. A directory another live run holds is always refused (RUN_DIR/.lock).")
     algo: str = opt(
         "grpo",
-        "Algorithm: `grpo`, `rloo`, `reinforce_pp`, `ppo` (with a critic), `dpo` (preference pairs), `sft` "
-        "(supervised, loss on assistant tokens).",
+        "Algorithm, a key of actloop.algos.ALGORITHMS: " + "; ".join(f"`{k}` {a.doc}" for k, a in ALGORITHMS.items())
+        + " (docs/algorithms.md).",
     )
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Data and task."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": "Reward functions."})
@@ -637,7 +648,8 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
         obj = getattr(obj, part)
 
 
-def _get(cfg: Config, key: str) -> Any:
+def get_key(cfg: Config, key: str) -> Any:
+    """The value at a dotted key (`train.lr`)."""
     obj: Any = cfg
     for part in key.split("."):
         obj = getattr(obj, part)
@@ -690,7 +702,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 set_key(cfg, k, v)
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
-            if _get(cfg, k) != _get(defaults, k):
+            if get_key(cfg, k) != get_key(defaults, k):
                 explicit.add(k)
     for text in overrides:
         key, value = parse_override(text)
@@ -701,7 +713,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
-ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo", "dpo", "sft")
+ALGOS = tuple(ALGORITHMS)  # the one table of algorithms (actloop.algos.algorithms)
 
 
 def _one_of(key: str, value: str, choices) -> tuple[bool, str]:
@@ -715,10 +727,12 @@ def validate(cfg: Config) -> None:
         (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
         (cfg.train.group_size >= 1, "train.group_size must be >= 1"),
         (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (cfg.train.max_tokens_per_microbatch >= 0, "train.max_tokens_per_microbatch must be >= 0"),
         (cfg.train.lr > 0, "train.lr must be > 0"),
         (cfg.train.beta >= 0, "train.beta must be >= 0"),
         (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
         (cfg.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
+        (cfg.rollout.max_batch >= 0, "rollout.max_batch must be >= 0"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         _one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "vllm-server", "ray")),
@@ -749,6 +763,9 @@ def validate(cfg: Config) -> None:
         _one_of("dpo.loss", cfg.dpo.loss, REG["dpo_loss"]),
         _one_of("ppo.critic", cfg.ppo.critic, ("head", "separate")),
         _one_of("algo", cfg.algo, ALGOS),
+        (not cfg.train.turn_credit or cfg.algo not in ALGORITHMS or ALGORITHMS[cfg.algo].turn_advantage is not None,
+         f"train.turn_credit is for the algorithms with a turn-level estimator "
+         f"({', '.join(k for k, a in ALGORITHMS.items() if a.turn_advantage)}); got algo={cfg.algo}"),
         _one_of("sandbox.backend", cfg.sandbox.backend, ("auto", "bwrap", "rlimit", "docker")),
         _one_of("distributed.backend", cfg.distributed.backend, ("auto", "gloo", "nccl")),
         _one_of("distributed.mixed_precision", cfg.distributed.mixed_precision, ("auto", "bf16", "none")),

@@ -12,9 +12,13 @@ docs/algorithms.md):
     KL_CONTROLLERS        fixed, adaptive
     DPO_LOSSES            sigmoid, ipo
     IS_CORRECTIONS        none, tis_token, tis_seq, mis_token, mis_seq
+
+and the algorithms (`algo=...`) built from them, in `ALGORITHMS` (actloop.algos.algorithms):
+each names its estimator, loss, config section and torchrun support.
 """
 
 from actloop.algos.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES
+from actloop.algos.algorithms import ALGORITHMS
 from actloop.algos.correction import IS_CORRECTIONS
 from actloop.algos.dpo import DPO_LOSSES
 from actloop.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
@@ -32,6 +36,6 @@ REGISTRIES = {
 }
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "DPO_LOSSES", "IS_CORRECTIONS", "KL_CONTROLLERS",
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "ALGORITHMS", "DPO_LOSSES", "IS_CORRECTIONS", "KL_CONTROLLERS",
     "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "REGISTRIES",
 ]

@@ -263,6 +263,8 @@ def place_rewards_at_turn_ends(turn_rewards: torch.Tensor, end_positions: torch.
     idx = end_positions.clamp(min=0).long()  # [B, K]
     src = turn_rewards.float() * present  # [B, K]
     out = torch.zeros(turn_rewards.shape[0], num_positions, dtype=src.dtype, device=src.device)  # [B, T]
+    if num_positions == 0:  # no sampled token anywhere: nowhere to put a reward
+        return out
     return out.scatter_add_(1, idx, src)  # [B, T]
 
 
@@ -279,7 +281,7 @@ def turn_returns(turn_rewards: torch.Tensor, turn_valid: torch.Tensor, gamma: fl
 
 
 def turn_level_advantages(turn_rewards: torch.Tensor, turn_valid: torch.Tensor, turn_ids: torch.Tensor,
-                          gamma: float = 1.0, scale: bool = False, leave_one_out: bool = False,
+                          gamma: float = 1.0, scale: bool | str = False, leave_one_out: bool = False,
                           eps: float = 1e-4) -> torch.Tensor:
     """Turn-level credit for multi-turn episodes (derivation in docs/algorithms.md).
 
@@ -288,7 +290,8 @@ def turn_level_advantages(turn_rewards: torch.Tensor, turn_valid: torch.Tensor, 
         G_{i,k} = sum_{k' >= k} gamma^(k' - k) r_{i,k'}         return-to-go from turn k
         b_k     = mean of G_{j,k} over the group's samples j that reached turn k
                   (leave_one_out: over j != i — unbiased, like RLOO)
-        A_{i,k} = G_{i,k} - b_k          (scale: / (std_k + eps), per-turn GRPO normalisation)
+        A_{i,k} = G_{i,k} - b_k          (scale: / (std_k + eps), per-turn GRPO normalisation;
+                                          a key of ADVANTAGE_SCALES, as grpo_advantages takes it)
 
     and every sampled token of turn k gets A_{i,k}. A turn only one sample reached has no
     comparison and gets 0 (its return still counts in the earlier turns' G).
@@ -351,7 +354,7 @@ class AdvantageEstimator:
 
 _OUTCOME = ("rewards", "valid")
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": AdvantageEstimator(grpo_advantages, _OUTCOME, ("eps",), "sequence"),
+    "grpo": AdvantageEstimator(grpo_advantages, _OUTCOME, ("scale", "eps"), "sequence"),
     "grpo_batch_std": AdvantageEstimator(grpo_batch_std_advantages, _OUTCOME, ("eps",), "sequence"),
     "dr_grpo": AdvantageEstimator(dr_grpo_advantages, _OUTCOME, (), "sequence"),
     "rloo": AdvantageEstimator(rloo_advantages, _OUTCOME, (), "sequence"),

@@ -55,6 +55,26 @@ def minibatches(num_samples: int, minibatch_size: int | None = None, epochs: int
     return steps
 
 
+def token_budget_batches(lengths: list[int], max_items: int, max_tokens: int = 0) -> list[list[int]]:
+    """Micro-batches of positions 0..n-1 of `lengths`, in order: each holds at most `max_items`
+    items and, when max_tokens > 0, at most `max_tokens` padded tokens (items x its longest
+    length, what one forward allocates activations for). An item longer than the budget goes
+    alone (never dropped). Sort `lengths` first so that similar lengths share a micro-batch."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n)
+        if cur and (len(cur) >= max_items or (max_tokens > 0 and grown * (len(cur) + 1) > max_tokens)):
+            out.append(cur)
+            cur, grown = [], n
+        cur.append(i)
+        longest = grown
+    if cur:
+        out.append(cur)
+    return out
+
+
 def is_on_policy(num_samples: int, minibatch_size: int | None = None, epochs: int = 1) -> bool:
     """True when the schedule has exactly one optimizer step: old_logp = logp.detach() is exact."""
     return epochs == 1 and (minibatch_size is None or minibatch_size >= num_samples)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from actloop.algos.batching import minibatches
 from actloop.config import Config
 from actloop.tasks import LoadedTask, build_task
 from actloop.models import Models, load_models
@@ -98,7 +99,8 @@ class Run:
             return
         self.engine.sync_weights(self.models.policy)
         res = evaluate(self.engine, self.renderer, self.task, self.task.eval_rows, self.cfg.rollout.max_new_tokens,
-                       self.cfg.rollout.max_turns, max_context=self.cfg.rollout.max_context)
+                       self.cfg.rollout.max_turns, max_context=self.cfg.rollout.max_context,
+                       max_batch=self.cfg.rollout.max_batch)
         self.summary[label] = res
         self.print(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
 
@@ -150,16 +152,9 @@ def offline_schedule(cfg: Config, n: int, batch_size: int, epochs: int, what: st
     else:
         print_fn(f"{cfg.algo}: {total} steps = {epochs_key}={epochs} x {per_epoch} batches of {bs} over {n} {what}"
                  + ("; set train.steps to choose the number of steps" if cfg.data.path else ""))
-    rng, out, epoch = random.Random(cfg.seed), [], 0
-    while n and len(out) < total:
-        epoch += 1
-        order = list(range(n))
-        rng.shuffle(order)
-        for b in range(per_epoch):
-            if len(out) == total:
-                break
-            out.append((len(out) + 1, epoch, order[b * bs : (b + 1) * bs]))
-    return out
+    passes = math.ceil(total / per_epoch) if n else 0
+    steps = minibatches(n, bs, passes, seed=cfg.seed)[:total]  # the update path's schedule (algos.batching)
+    return [(k + 1, k // per_epoch + 1, idx) for k, idx in enumerate(steps)]
 
 
 def progress_bar(total: int, enabled: bool, label: str = "step"):

@@ -32,19 +32,13 @@ from typing import Any, Optional
 
 import typer
 
+from actloop.algos.algorithms import compare_variants
 from actloop.monitor.metrics import mean, std
 
-# What each name in --algos runs: the overrides that select it. `dpo` is online DPO (pairs from
-# each step's rollout groups), the variant that spends the same rollout budget as GRPO and PPO.
-ALGORITHMS: dict[str, list[str]] = {
-    "grpo": ["algo=grpo"],
-    "ppo": ["algo=ppo"],
-    "dpo": ["algo=dpo", "dpo.online=true"],
-    "dpo_offline": ["algo=dpo", "dpo.online=false"],
-    "rloo": ["algo=rloo"],
-    "reinforce_pp": ["algo=reinforce_pp"],
-    "sft": ["algo=sft"],
-}
+# What each name in --algos runs: the overrides that select it, from the one table of algorithms.
+# `dpo` is online DPO (pairs from each step's rollout groups), the variant that spends the same
+# rollout budget as GRPO and PPO; `dpo_offline` trains on fixed pairs.
+ALGORITHMS: dict[str, list[str]] = compare_variants()
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from actloop.algos import ALGORITHMS
 from actloop.config import Config, ConfigError
 from actloop.train.logprobs import token_logprobs
 
@@ -54,9 +55,12 @@ def check_supported(cfg: Config, world: int) -> None:
     problems = []
     if t.prompts_per_step % world:
         problems.append(f"train.prompts_per_step ({t.prompts_per_step}) must be a multiple of the world size ({world})")
-    if cfg.algo not in ("grpo", "rloo"):
-        problems.append(f"algo={cfg.algo}: only grpo and rloo run under torchrun (their advantages are per group)")
-    if cfg.algo == "grpo" and t.adv_scale == "batch":
+    alg = ALGORITHMS[cfg.algo]
+    if not alg.torchrun:
+        names = [k for k, a in ALGORITHMS.items() if a.torchrun]
+        ok = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        problems.append(f"algo={cfg.algo}: only {ok} run under torchrun (their advantages are per group)")
+    elif alg.params.get("scale") == "train.adv_scale" and t.adv_scale == "batch":
         problems.append("train.adv_scale=batch normalises over the whole batch; use group or none under torchrun")
     if t.minibatch_size:
         problems.append("train.minibatch_size must be 0 under torchrun (one optimizer step per epoch: each "

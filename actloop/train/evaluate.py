@@ -56,14 +56,28 @@ def row_id(row: dict[str, Any], index: int) -> Any:
     return row.get("task_id", row.get("id", index))
 
 
+def run_batched(task: LoadedTask, engine: Engine, renderer: Renderer, rows: list[dict[str, Any]],
+                params: SamplingParams, max_turns: int, max_context: int, max_batch: int = 0,
+                schedule: str = "auto") -> list[Trajectory]:
+    """`task_episodes` for `rows` (one each, in order), at most `max_batch` at once (0 = all): the
+    engine's memory grows with the episodes it runs together (rollout.max_batch)."""
+    size = max_batch if max_batch > 0 else max(len(rows), 1)
+    out: list[Trajectory] = []
+    for start in range(0, len(rows), size):
+        out += task_episodes(task, engine, renderer, rows[start : start + size], params, max_turns, max_context,
+                             schedule)
+    return out
+
+
 def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[dict[str, Any]], max_new_tokens: int,
              max_turns: int, *, samples_per_problem: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              ks: Sequence[int] | None = None, grade_workers: int | None = None,
              keep_samples: int = 3, keep_problems: bool = False, max_context: int = 4096,
-             schedule: str = "auto") -> dict[str, Any]:
+             schedule: str = "auto", max_batch: int = 0) -> dict[str, Any]:
     """Success rate (greedy when `temperature` is 0), mean reward, tool use, and with several
     samples per problem pass@k for each k in `ks` (default 1 and `samples_per_problem`).
-    `grade_workers` sandboxes grade at once; `keep_problems` adds one record per problem."""
+    `grade_workers` sandboxes grade at once; `keep_problems` adds one record per problem;
+    `max_batch` episodes run at once (0 = all)."""
     k_samples = max(1, samples_per_problem)
     if k_samples > 1 and temperature <= 0:
         raise ValueError("several samples per problem need a temperature > 0 (greedy samples are identical)")
@@ -72,8 +86,8 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
     params = (SamplingParams(max_new_tokens=max_new_tokens, greedy=True) if temperature <= 0 else
               SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p))
     t0 = time.time()
-    trajs = task_episodes(task, engine, renderer, [r for r in rows for _ in range(k_samples)], params, max_turns,
-                          max_context, schedule)
+    trajs = run_batched(task, engine, renderer, [r for r in rows for _ in range(k_samples)], params, max_turns,
+                        max_context, max_batch, schedule)
     t_roll = time.time()
     scored = task.rubric.score(trajs)
     t_grade = time.time()

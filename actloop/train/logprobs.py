@@ -261,9 +261,9 @@ def pack(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mask
 
 
-def scatter(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per-trajectory 1-D tensors -> the [B, S] layout of `mask` (a token_logprobs mask)."""
-    out = torch.zeros(mask.shape, device=mask.device)
-    if values:
-        out[mask] = torch.cat([v.to(mask.device).float() for v in values])
-    return out
+def place(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """flat [N] (one value per True of `mask`, row-major) -> [B, T] in the layout of `mask`, 0
+    elsewhere; differentiable. With a token_logprobs mask it puts values read at the forward's
+    positions into the packed layout, or back."""
+    out = torch.zeros(mask.shape, device=flat.device, dtype=flat.dtype)
+    return out.index_put(mask.nonzero(as_tuple=True), flat)

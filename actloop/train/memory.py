@@ -1,10 +1,11 @@
-"""Peak memory of a training step, for the per-step metrics.
+"""Peak memory per phase of a run (model load, greedy evaluation, rollout, update, checkpoint).
 
 CPU: the process's resident-set high-water mark (VmHWM in /proc/self/status). Linux resets it
-to the current RSS when "5" is written to /proc/self/clear_refs, so `step_peak()` reads the peak
-since the previous call and starts a new window: called once at the end of each update, it
-measures the whole step (rollout, scoring, update). Where the reset is refused (not Linux, or a
-locked-down /proc), the value is the process's lifetime peak and `peak_mem_window` says so.
+to the current RSS when "5" is written to /proc/self/clear_refs, so each phase of `PhasePeaks`
+opens a new window when it starts and reads the peak when it ends: the metrics then say which
+phase held the memory (`peak_mem_mb/rollout`, `peak_mem_mb/update`, ...; `peak_mem_mb` is the
+step's largest). Where the reset is refused (not Linux, or a locked-down /proc), every value is
+the process's lifetime peak so far and `peak_mem_window` is 0.
 
 CUDA: torch.cuda.max_memory_allocated (tensors only, not the allocator's cache), reset the same
 way with torch.cuda.reset_peak_memory_stats.
@@ -12,8 +13,11 @@ way with torch.cuda.reset_peak_memory_stats.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -41,12 +45,58 @@ def reset_rss_peak() -> bool:
         return False
 
 
-def step_peak() -> dict[str, float]:
-    """{peak_mem_mb, peak_mem_window (1 = since the last call, 0 = process lifetime)[, cuda_peak_mem_mb]}
-    — then opens the next window."""
-    out = {"peak_mem_mb": round(rss_peak_mb(), 1)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda_peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        torch.cuda.reset_peak_memory_stats()
-    out["peak_mem_window"] = 1.0 if reset_rss_peak() else 0.0
-    return out
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim(0)`, after a garbage
+    collection). PyTorch's CPU tensors live on the C heap; after a phase that freed gigabytes
+    (an update's activations, an evaluation's KV caches) glibc keeps much of it mapped, so the
+    RSS stays near that phase's peak and the next phase's peak adds to it. False where there is no
+    glibc (macOS, musl) or nothing was returned."""
+    gc.collect()
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+class PhasePeaks:
+    """`with peaks("rollout"): ...` records the peak RSS (MiB) of that phase; `step_metrics()`
+    returns this step's phases and starts the next step; `run` keeps each phase's peak over the
+    whole run (for summary.json). trim: `release_freed_memory()` when each phase ends
+    (train.malloc_trim)."""
+
+    def __init__(self, trim: bool = False):
+        self.trim = trim
+        self.step: dict[str, float] = {}
+        self.run: dict[str, float] = {}
+        self.windowed = True
+        self._cuda = torch.cuda.is_available()
+
+    @contextmanager
+    def __call__(self, name: str):
+        self.windowed = reset_rss_peak() and self.windowed
+        if self._cuda and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            mb = round(rss_peak_mb(), 1)
+            self.step[name] = max(self.step.get(name, 0.0), mb)
+            self.run[name] = max(self.run.get(name, 0.0), mb)
+            if self._cuda and torch.cuda.is_initialized():
+                cuda = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                self.step[f"cuda:{name}"] = max(self.step.get(f"cuda:{name}", 0.0), cuda)
+            if self.trim:
+                release_freed_memory()
+
+    def step_metrics(self) -> dict[str, float]:
+        """{peak_mem_mb (the step's largest phase), peak_mem_mb/PHASE, peak_mem_window
+        [, cuda_peak_mem_mb]}; then the next step starts empty."""
+        cpu = {k: v for k, v in self.step.items() if not k.startswith("cuda:")}
+        out = {f"peak_mem_mb/{k}": v for k, v in cpu.items()}
+        out["peak_mem_mb"] = max(cpu.values(), default=0.0)
+        cuda = [v for k, v in self.step.items() if k.startswith("cuda:")]
+        if cuda:
+            out["cuda_peak_mem_mb"] = max(cuda)
+        out["peak_mem_window"] = 1.0 if self.windowed else 0.0
+        self.step = {}
+        return out

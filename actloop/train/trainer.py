@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from actloop.algos import KL_CONTROLLERS
+from actloop.algos import ALGORITHMS, KL_CONTROLLERS
+from actloop.algos.algorithms import online_algorithms
 from actloop.algos.batching import dynamic_sampling_filter
 from actloop.algos.shaping import overlong_penalty
 from actloop.config import Config, ConfigError, load_config
@@ -33,12 +34,14 @@ from actloop.rollout.renderer import Renderer
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
-from actloop.train.evaluate import evaluate, task_episodes
+from actloop.train.evaluate import evaluate, run_batched
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
+from actloop.train.memory import PhasePeaks
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
 from actloop.train.optim import adamw
+from actloop.train.preference import preference_update
 from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
 
@@ -100,8 +103,8 @@ def rollout_groups(cfg: Config, task: LoadedTask, engine, renderer, sampler: Pro
             break
         rows = sampler.next(n)
         episode_rows = [r for r in rows for _ in range(G)]
-        trajs = task_episodes(task, engine, renderer, episode_rows, sampling, cfg.rollout.max_turns,
-                              cfg.rollout.max_context, cfg.rollout.schedule)
+        trajs = run_batched(task, engine, renderer, episode_rows, sampling, cfg.rollout.max_turns,
+                            cfg.rollout.max_context, cfg.rollout.max_batch, cfg.rollout.schedule)
         t0 = time.time()
         scored = shape_rewards(cfg, task.rubric.score(trajs))
         scoring_s += time.time() - t0
@@ -172,9 +175,10 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
 
 
 def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
-    """Run `cfg.algo`: the online RL loop below, or the offline trainers (dpo, sft)."""
+    """Run `cfg.algo`: the online RL loop below, or the trainer its row of ALGORITHMS names."""
     try:
-        if cfg.algo not in OFFLINE_TRAINERS:
+        alg = ALGORITHMS[cfg.algo]
+        if alg.in_loop(cfg):  # grpo, rloo, ..., and online DPO: the rollout loop below
             return train_online(cfg, progress=progress, print_fn=print_fn)
         import importlib
 
@@ -182,17 +186,13 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
             raise ConfigError(f"algo={cfg.algo} runs in one process; launch it without torchrun")
 
         if cfg.resume:
-            raise ConfigError(f"resume is for the online algorithms (grpo, rloo, reinforce_pp, ppo), not {cfg.algo}")
+            raise ConfigError(f"resume is for the algorithms of the rollout loop ({', '.join(online_algorithms())}, "
+                              f"dpo with dpo.online=true), not {cfg.algo} here")
 
-        module, name = OFFLINE_TRAINERS[cfg.algo].split(":")
+        module, name = alg.trainer.split(":")
         return getattr(importlib.import_module(module), name)(cfg, progress=progress, print_fn=print_fn)
     finally:
         rundir.release()  # the run directory's lock (the kernel drops it anyway when the process ends)
-
-
-# Offline algorithms live in their own modules; online ones (grpo, rloo, reinforce_pp, ppo) share
-# the rollout loop below and differ only in their advantage estimator.
-OFFLINE_TRAINERS = {"dpo": "actloop.train.dpo:train_dpo", "sft": "actloop.train.sft:train_sft"}
 
 
 def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint | None]:
@@ -254,18 +254,22 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     print_fn(f"run directory: {run_dir}")
     for note in task.info.get("notes", []):  # e.g. how many custom rows are held out for evaluation
         print_fn(note)
-    models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0,
-                         attn_implementation=cfg.train.attn_implementation)
+    alg = ALGORITHMS[cfg.algo]
+    peaks = PhasePeaks(trim=cfg.train.malloc_trim)  # peak RSS per phase: metrics peak_mem_mb/<phase>, summary peak_mem_mb
+    with peaks("model_load"):
+        models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0 or alg.needs_reference,
+                             attn_implementation=cfg.train.attn_implementation)
     if cfg.train.routing_replay:
         require_routing(models.policy)  # a clear error for a model without a replayable MoE router
     if ckpt is not None and not dist.active:
         ckpt.load_policy(models.policy)  # before the engine copies the weights (sharded: after `prepare`)
     renderer = Renderer.from_config(models.tokenizer, cfg)
-    engine = make_engine(cfg, models, renderer)
+    with peaks("model_load"):
+        engine = make_engine(cfg, models, renderer)
     if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
     models.policy = dist.prepare(cfg, models, engine)  # FSDP2 under torchrun, after the engine's copy
-    critic = Critic(models.policy, cfg.ppo.critic) if cfg.algo == "ppo" else None
+    critic = Critic(models.policy, cfg.ppo.critic) if alg.needs_critic else None
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
     if critic is not None:
         param_groups.append({"params": list(critic.parameters()), "lr": cfg.ppo.critic_lr})
@@ -275,6 +279,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     if correction == "auto":
         correction = "tis_token" if engine.weights == "copy" else "none"
     ctx = UpdateContext(cfg, models, optimizer, critic, cfg.train.beta, correction, dist=dist if dist.active else None)
+    update_step = {"policy": rl_update, "preference": preference_update}[alg.loss]  # the row's declared loss
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg.train.warmup_steps) if cfg.train.warmup_steps else 1.0)
     sampler = dist.sampler(PromptSampler(task.train_rows, cfg.seed))  # each rank: its block of whole groups
@@ -325,11 +330,13 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             "extra": {n: o.state_dict() for n, o in stateful.items() if hasattr(o, "state_dict")},
         }
         try:
-            if dist.active:  # sharded policy and AdamW state: torch.distributed.checkpoint, every rank
-                checkpoint.save_sharded(ckpt_dir, step, dist, models.policy, optimizer, state, keep=cfg.checkpoint.keep)
-            else:
-                checkpoint.save(run_dir, step, models.policy, {"optimizer": optimizer.state_dict(), **state},
-                                keep=cfg.checkpoint.keep)
+            with peaks("checkpoint"):
+                if dist.active:  # sharded policy and AdamW state: torch.distributed.checkpoint, every rank
+                    checkpoint.save_sharded(ckpt_dir, step, dist, models.policy, optimizer, state,
+                                            keep=cfg.checkpoint.keep)
+                else:
+                    checkpoint.save(run_dir, step, models.policy, {"optimizer": optimizer.state_dict(), **state},
+                                    keep=cfg.checkpoint.keep)
         except checkpoint.CheckpointError as e:
             return str(e)
         totals["checkpoint_seconds"] += time.time() - t
@@ -338,9 +345,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     def run_eval(label: str, rows: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
         if not dist.is_main:  # rank 0 evaluates; the others wait for it at the next collective
             return None
-        res = evaluate(engine, renderer, task, rows if rows is not None else task.eval_rows,
-                       cfg.rollout.max_new_tokens, cfg.rollout.max_turns, max_context=cfg.rollout.max_context,
-                       schedule=cfg.rollout.schedule)
+        with peaks("eval"):
+            res = evaluate(engine, renderer, task, rows if rows is not None else task.eval_rows,
+                           cfg.rollout.max_new_tokens, cfg.rollout.max_turns, max_context=cfg.rollout.max_context,
+                           schedule=cfg.rollout.schedule, max_batch=cfg.rollout.max_batch)
         if rows is None:
             summary[label] = res
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
@@ -359,17 +367,19 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             t0 = time.time()
             # 1. roll out G episodes for each of the step's prompts (refilling all-equal groups)
             tok0, usage0, errors0, seen = engine.generated_tokens, _usage(task), len(task.rubric.errors), []
-            scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling, seen=seen)
+            with peaks("rollout"):  # generation, environment steps and scoring
+                scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling, seen=seen)
             t2 = time.time()
             t1 = t2 - scoring_s  # rollout time excludes scoring
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
             #    failed trajectories are masked (a step with nothing valid trains nothing)
             engine.sleep()  # a colocated vLLM frees its GPU memory for the update (a no-op elsewhere)
-            upd = rl_update(ctx, scored, cfg.train.group_size)
-            with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-                scheduler.step()
-            dist.sync_engine(engine, models.policy)  # FSDP: the gathered full weights
+            with peaks("update"):
+                upd = update_step(ctx, scored, cfg.train.group_size)  # rl_update, or online DPO's preference update
+                with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                    scheduler.step()
+                dist.sync_engine(engine, models.policy)  # FSDP: the gathered full weights
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target); a step that
             #    trained nothing (all masked) measured no KL: its 0.0 is a placeholder, beta stays
             if upd.get("trained_trajectories", 1):
@@ -400,6 +410,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 res = run_eval(f"eval at step {step}", task.eval_rows[: cfg.train.eval_every_rows or None])
                 if res is not None:
                     record.update(eval_success=res["success"], eval_s=round(res["seconds"], 3))
+            record.update(peaks.step_metrics())  # this step's phases (a checkpoint's lands in the next step)
             monitor.log_step(record, scored)
             failure_log.write(failures)
             for f in failures:
@@ -434,6 +445,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                                          if totals["gen_seconds"] else 0.0)
     summary["failures"] = dict(totals["failures"])
     summary["checkpoint_seconds"] = round(totals["checkpoint_seconds"], 2)
+    summary["peak_mem_mb"] = dict(peaks.run)  # this process's peak RSS per phase (MiB)
     if totals["reward_errors"]:
         summary["reward_errors"] = totals["reward_errors"]
     trained_somewhere = dist.first(True if totals.get("unmasked_steps", 1) else None)  # any rank, any step

@@ -47,3 +47,16 @@ def test_minibatches_keep_groups_together():
 def test_on_policy_fast_path_condition():
     assert is_on_policy(8) and is_on_policy(8, minibatch_size=8)
     assert not is_on_policy(8, minibatch_size=4) and not is_on_policy(8, epochs=2)
+
+
+def test_token_budget_batches_by_hand():
+    from actloop.algos.batching import token_budget_batches
+
+    # no budget: only the item cap
+    assert token_budget_batches([3, 3, 4, 9], 2) == [[0, 1], [2, 3]]
+    # budget 10 padded tokens: [3, 3, 4] would be 3 x 4 = 12 -> split; 9 alone; an item over the budget alone
+    assert token_budget_batches([3, 3, 4, 9], 8, 10) == [[0, 1], [2], [3]]
+    assert token_budget_batches([12, 2], 8, 10) == [[0], [1]]
+    assert token_budget_batches([], 4, 10) == []
+    # the padded count uses the longest item: [2, 2, 5] = 15 > 12, [2, 2] = 4
+    assert token_budget_batches([2, 2, 5, 5], 8, 12) == [[0, 1], [2, 3]]

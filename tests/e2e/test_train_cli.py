@@ -133,6 +133,7 @@ def test_malformed_data_row_fails_with_file_and_line(tmp_path):
 ALGO_VARIANTS = {
     "ppo_head_kl_reward": ["algo=ppo", "train.beta=0.05", "kl.mode=reward"],
     "ppo_separate_critic": ["algo=ppo", "ppo.critic=separate"],
+    "reinforce_pp_token_kl_reward": ["algo=reinforce_pp_token", "train.beta=0.05", "kl.mode=reward"],
     "rloo_gspo_two_epochs": ["algo=rloo", "train.policy_loss=gspo", "train.epochs=2", "train.minibatch_size=2"],
     "reinforce_pp_dapo": ["algo=reinforce_pp", "train.loss_agg=token_mean", "train.clip_high=0.28",
                           "train.dynamic_sampling=true", "train.overlong_buffer=8", "train.entropy_coef=0.01",
