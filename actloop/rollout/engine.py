@@ -11,6 +11,7 @@ encoded once, each row's suffix left-padded in its block, finished rows leaving 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import queue
@@ -298,6 +299,7 @@ class HFEngine(EngineBase):
             self._queue.put(None)
             self._thread.join(timeout=30)
             self._thread = None
+            atexit.unregister(self.close)
         super().close()
 
     # ------------------------------------------------------------------ requests
@@ -329,6 +331,9 @@ class HFEngine(EngineBase):
                 self._thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), daemon=True,
                                                 name="hf-engine-decode")
                 self._thread.start()
+                # stop the decode thread before the interpreter finalizes: a daemon thread still inside
+                # torch at exit aborted `actloop eval` ("terminate called without an active exception")
+                atexit.register(self.close)
         futures = [Future() for _ in reqs]
         self._queue.put([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
         return futures
