@@ -336,21 +336,18 @@ def create_app(gw: Gateway) -> Any:
     for prefix in ("", "/s/{sid}"):
         app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await handle(request, None, "chat")
+    def endpoint(kind: str, session: bool):
+        if session:
+            async def route(sid: str, request: Request):
+                return await handle(request, sid, kind)
+        else:
+            async def route(request: Request):
+                return await handle(request, None, kind)
+        return route
 
-    @app.post("/s/{sid}/v1/chat/completions")
-    async def chat_session(sid: str, request: Request):
-        return await handle(request, sid, "chat")
-
-    @app.post("/v1/completions")
-    async def comp(request: Request):
-        return await handle(request, None, "completion")
-
-    @app.post("/s/{sid}/v1/completions")
-    async def comp_session(sid: str, request: Request):
-        return await handle(request, sid, "completion")
+    for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
+        app.add_api_route(path, endpoint(kind, False), methods=["POST"])
+        app.add_api_route("/s/{sid}" + path, endpoint(kind, True), methods=["POST"])
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception):
