@@ -114,6 +114,12 @@ def _plot_success(ax, d: RunData) -> bool:
     drawn = _line(ax, d.metrics, "success", "train success (sampled)")
     for k in ("eval_success", "eval/success", "judge_agreement"):
         drawn |= _line(ax, d.metrics, k, f"held-out: {k}", linestyle="--")
+    # a data.mix: each source's training success (thin) and held-out success (dashed), one colour each
+    sources = sorted({k.split("/")[1] for k in _keys(d.metrics, "source/") if k.endswith("/success")})
+    for i, src in enumerate(sources):
+        color = f"C{(i + 3) % 10}"
+        drawn |= _line(ax, d.metrics, f"source/{src}/success", f"train: {src}", linewidth=0.8, color=color)
+        drawn |= _line(ax, d.metrics, f"eval/{src}/success", f"held-out: {src}", linestyle="--", color=color)
     steps = [s for s, _ in series(d.metrics, "success")] or [0]
     for label, x in (("eval_before", 0), ("eval_after", max(steps))):
         v = d.summary.get(label, {}).get("success") if isinstance(d.summary.get(label), dict) else None

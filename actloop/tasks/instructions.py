@@ -7,8 +7,11 @@ capital letters; quotation marks around everything and a required first phrase; 
 a "P.S.") are never drawn together, and `gold_response` writes an answer that meets every
 constraint, so each generated row is known to be satisfiable.
 
+Held-out prompts carry constraint combinations that no training prompt has (`make_splits`).
+
 Reward: the instructions grader (`actloop.rewards.instructions`): the fraction of constraints
-met; an empty answer scores 0. `success` = all met.
+met — IFEval's *loose* (here: per-constraint) accuracy is the mean reward; an empty answer
+scores 0. `success` = all met, IFEval's *strict* (per-prompt) accuracy.
 """
 
 from __future__ import annotations
@@ -110,9 +113,17 @@ def gold_response(topic: str, constraints: list[Spec]) -> str:
     return text
 
 
+def combination(row: dict[str, Any]) -> str:
+    """The row's constraint combination, e.g. `no_commas+title` (types sorted, values ignored)."""
+    return "+".join(sorted(c["type"] for c in row["constraints"]))
+
+
 def make_splits(train_size: int, eval_size: int, seed: int, split: str = "test") -> tuple[list[dict], list[dict]]:
     """Disjoint training and held-out prompts (`split`: `test` or `validation`, drawn from their
-    own streams; no held-out instruction appears in training)."""
+    own streams). The held-out set tests generalisation, not recall: no training row has the
+    *combination* of constraint types of any held-out row (a held-out `no_commas+title` means no
+    training prompt asks for exactly those two), so every held-out prompt is a combination the
+    policy never trained on, made of constraints it trained on in other company."""
     held_rng, train_rng = random.Random(f"ifeval-{split}-{seed}"), random.Random(f"ifeval-train-{seed}")
     held: dict[str, dict] = {}
     for _ in range(50 * eval_size + 100):
@@ -120,12 +131,13 @@ def make_splits(train_size: int, eval_size: int, seed: int, split: str = "test")
             break
         p = make_problem(held_rng)
         held.setdefault(p["instruction"], p)
+    unseen = {combination(p) for p in held.values()}
     train: dict[str, dict] = {}
     for _ in range(50 * train_size + 100):
         if len(train) >= train_size:
             break
         p = make_problem(train_rng)
-        if p["instruction"] not in held:
+        if combination(p) not in unseen:
             train.setdefault(p["instruction"], p)
     return list(train.values()), list(held.values())
 

@@ -223,12 +223,16 @@ def test_instructions_gold_and_violations(renderer, scripted):
 
 
 def test_instruction_prompts_are_seeded_and_gold_answers_satisfy_them():
-    from actloop.tasks.instructions import SHOTS, make_splits
+    from actloop.tasks.instructions import SHOTS, combination, make_splits
     from actloop.rewards.instructions import grade_instructions
 
     train, held = make_splits(300, 300, seed=3)
     assert make_splits(300, 300, seed=3) == (train, held) and make_splits(300, 300, seed=4)[1] != held
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
+    # held-out prompts test unseen constraint combinations, each constraint still trained in other company
+    assert not {combination(r) for r in train} & {combination(r) for r in held}
+    assert {c["type"] for r in train for c in r["constraints"]} == {c["type"] for r in held for c in r["constraints"]}
+    assert combination({"constraints": [{"type": "title"}, {"type": "no_commas"}]}) == "no_commas+title"
     for r in train + held:
         assert grade_instructions(gold_response(r["topic"], r["constraints"]), r["constraints"]).score == 1.0, r
     assert {len(r["constraints"]) for r in held} == {1, 2, 3}

@@ -106,3 +106,26 @@ def test_a_short_run_has_whole_step_ticks_and_every_failure_kind_counted(cfg, tm
     page = build_report(run).read_text()
     assert ticks and all(t == int(t) for ts in ticks.values() for t in ts), ticks
     assert "recorded failures" in page and "parse 6, truncated 2" in page
+
+
+def test_success_plot_draws_each_source_of_a_mix(tmp_path):
+    """A data.mix run: training success per source and held-out success per source, one line each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from actloop.monitor.report import RunData, _plot_success
+
+    metrics = [{"step": s, "success": 0.5, "source/calculator/success": 0.4 + 0.1 * s,
+                "source/instructions/success": 0.2, "source/calculator/reward_mean": 0.5,
+                **({"eval_success": 0.5, "eval/calculator/success": 0.6, "eval/instructions/success": 0.3}
+                   if s % 2 == 0 else {})} for s in range(1, 5)]
+    fig, ax = plt.subplots()
+    try:
+        assert _plot_success(ax, RunData(run_dir=tmp_path, metrics=metrics))
+        labels = ax.get_legend_handles_labels()[1]
+    finally:
+        plt.close(fig)
+    assert {"train: calculator", "train: instructions", "held-out: calculator", "held-out: instructions"} <= set(labels)
+    assert "train: reward_mean" not in labels
