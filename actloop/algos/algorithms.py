@@ -87,7 +87,8 @@ class Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("grpo", "policy", "group-relative advantages (GRPO; Dr. GRPO with train.adv_scale=none)",
                       turn_advantage="turn_grpo",
-                      params={"scale": "train.adv_scale", "gamma": "train.turn_gamma"}, torchrun=True),
+                      params={"scale": "train.adv_scale", "gamma": "train.turn_gamma"}, torchrun=True,
+                      compare={"grpo": (), "dr_grpo": ("train.adv_scale=none", "train.loss_agg=constant")}),
     "rloo": Algorithm("rloo", "policy", "leave-one-out baseline (RLOO)", torchrun=True),
     "reinforce_pp": Algorithm("reinforce_pp", "policy", "batch-normalised outcome advantages (REINFORCE++)"),
     "reinforce_pp_token": Algorithm(
