@@ -6,7 +6,8 @@
         rewards=[RewardTerm("correct", correct_answer),      # or plain TRL-style functions
                  RewardTerm("used_tool", used_tool, 0.0)],   # weight 0 = logged only
         splits=make_splits,                                  # generated rows (or dataset="gsm8k")
-        success="correct", gold=gold_completion, description="one line for `actloop tasks`",
+        success="correct", gold=gold_completion, gold_trace=gold_trace,
+        description="one line for `actloop tasks`",
     )
 
 A task's module lives anywhere: `data.task` names a built-in (`actloop tasks` lists them), a
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 from actloop.envs.base import Env
 from actloop.rewards.flags import Detector
 from actloop.rewards.rubric import RewardTerm, Rubric
+from actloop.types import Message
 
 Row = dict[str, Any]
 # (train_size, eval_size, seed, split) -> (training rows, held-out rows of `split`), disjoint
@@ -48,6 +50,10 @@ class Task:
     detectors / policies: hack detectors run on every scored trajectory, and what each flag
         does (`zero`, `log`, ...: see docs/rewards.md).
     gold: row -> a reference completion that scores full marks (`Rubric.validate`, tests).
+    gold_trace: row -> the reference episode as messages, everything after the environment's
+        prompt (assistant turns with their `tool_calls`, the `tool` results the environment would
+        answer, the final answer), or None for a row that has none. `algo=sft` without
+        `data.path` trains on these (`actloop.train.pairs.gold_sequences`); None: no gold traces.
     description: one line for `actloop tasks`.
     id_field: the column `actloop grade --id` looks rows up by (else the row's index).
     eval_only: no training split (an evaluation set).
@@ -65,6 +71,7 @@ class Task:
     detectors: Sequence[Detector] = ()
     policies: Mapping[str, str] = field(default_factory=dict)
     gold: Callable[[Row], str] | None = None
+    gold_trace: Callable[[Row], list[Message] | None] | None = None
     description: str = ""
     id_field: str | None = None
     eval_only: bool = False

@@ -8,6 +8,9 @@ its schema. `TOOL_PROMPT` words the tool prompt for SmolLM2's template (which ca
 tools): with it the embedded model's prompt is token for token the one the demo's learning result
 was measured with (tests/tasks/test_registry.py).
 
+Gold traces for an SFT cold start (`gold_trace`): one calculator call with the row's expression,
+its result, `The answer is N.`
+
 Reward: `correct`, 1.0 when the last number of the final answer equals the target (a final turn
 that is still a tool call is no answer). Logged, weight 0: `used_tool`, `malformed`.
 """
@@ -112,16 +115,39 @@ class CalcError(ToolError, ValueError):
     pass
 
 
+def arithmetic_value(expr: str, max_len: int = 200) -> int | float:
+    """The value Python itself gives the arithmetic expression `expr` (Python's spelling: `**`,
+    not `^`), unrounded — `arithmetic_value("48/2")` is 24.0, as `print(48/2)` shows — computed by
+    walking the AST: numbers and operators only, no names, no calls, no attribute access, bounded
+    exponents, so model-written input can never run code. Raises `CalcError` for anything else,
+    for division by zero and for results that are not finite real numbers."""
+    return _walk(_parse(expr, max_len))
+
+
 def safe_eval(expr: str, max_len: int = 200) -> int | float:
-    """Evaluate arithmetic by walking the AST — numbers and operators only, no names, no calls,
-    no attribute access, bounded exponents — so model-written input can never run code."""
+    """The calculator tool's arithmetic: `arithmetic_value` of `expr` in calculator spelling
+    (`^` is a power, `×` and `÷` are accepted), then whole floats as ints and other floats rounded
+    to 6 decimals (`safe_eval("48/2")` is 24)."""
+    value = _walk(_parse(expr, max_len, calculator_spelling=True))
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        return round(value, 6)
+    return value
+
+
+def _parse(expr: str, max_len: int, calculator_spelling: bool = False) -> ast.Expression:
     if len(expr) > max_len:
         raise CalcError(f"expression longer than {max_len} characters")
+    if calculator_spelling:
+        expr = expr.replace("^", "**").replace("×", "*").replace("÷", "/")
     try:
-        tree = ast.parse(expr.replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+        return ast.parse(expr, mode="eval")
     except SyntaxError:
         raise CalcError(f"cannot parse expression {expr!r}") from None
 
+
+def _walk(tree: ast.Expression) -> int | float:
     def ev(node: ast.AST) -> int | float:
         if isinstance(node, ast.Expression):
             return ev(node.body)
@@ -135,17 +161,15 @@ def safe_eval(expr: str, max_len: int = 200) -> int | float:
                 return _BINOPS[type(node.op)](left, right)
             except ZeroDivisionError:
                 raise CalcError("division by zero") from None
+            except OverflowError:
+                raise CalcError("result too large") from None
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](ev(node.operand))
         raise CalcError(f"unsupported element {type(node).__name__} in expression")
 
     value = ev(tree)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise CalcError("result is not finite")
-        if value.is_integer():
-            return int(value)
-        return round(value, 6)
+    if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+        raise CalcError("result is not a finite real number")  # (-8) ** 0.5 is complex, 1e300 * 1e300 inf
     return value
 
 
@@ -230,6 +254,12 @@ def gold_completion(row: dict[str, Any]) -> str:
     return f"The answer is {row['answer']}."
 
 
+def gold_trace(row: dict[str, Any]) -> list[Message]:
+    """The ReTool-style cold-start episode of one problem (after the environment's prompt): a
+    calculator call with the row's expression, the tool's result, then `The answer is N.`"""
+    return _example(row["question"], row["expression"])[1:]
+
+
 TASK = Task(
     name="calculator",
     env=CalculatorEnv,
@@ -238,5 +268,6 @@ TASK = Task(
     splits=splits,
     success="correct",
     gold=gold_completion,
+    gold_trace=gold_trace,
     description="the demo: word problems solved with calls to a calculator tool, then \"The answer is N\"",
 )

@@ -23,7 +23,7 @@ from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
 from actloop.train.evaluate import evaluate
 from actloop.train.optim import adamw
-from actloop.train.trainer import RunResult, make_run_dir
+from actloop.train.trainer import RunResult, make_run_dir, write_problems
 
 
 def eval_task(cfg: Config) -> LoadedTask:
@@ -100,8 +100,8 @@ class Run:
         self.engine.sync_weights(self.models.policy)
         res = evaluate(self.engine, self.renderer, self.task, self.task.eval_rows, self.cfg.rollout.max_new_tokens,
                        self.cfg.rollout.max_turns, max_context=self.cfg.rollout.max_context,
-                       max_batch=self.cfg.rollout.max_batch)
-        self.summary[label] = res
+                       max_batch=self.cfg.rollout.max_batch, keep_problems=True)
+        self.summary[label] = write_problems(self.run_dir, label, res)
         self.print(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
 
     def log(self, record: dict[str, Any], seconds: float) -> None:

@@ -4,6 +4,7 @@ samples per problem with the unbiased estimator of Chen et al. (2021).
     res = evaluate(engine, renderer, task, rows, max_new_tokens=256, max_turns=3)             # greedy
     res = evaluate(..., samples_per_problem=10, temperature=0.8, ks=(1, 5, 10))               # pass@k
     res["success"], res["pass@k"]["5"], res["per_source"]["gsm8k"]["success"], res["problems"][0]
+    res["components"]["answer_from_tool"]    # the mean of each rubric component (weight-0 ones too)
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
              ks: Sequence[int] | None = None, grade_workers: int | None = None,
              keep_samples: int = 3, keep_problems: bool = False, max_context: int = 4096,
              schedule: str = "auto", max_batch: int = 0) -> dict[str, Any]:
-    """Success rate (greedy when `temperature` is 0), mean reward, tool use, and with several
+    """Success rate (greedy when `temperature` is 0), mean reward, the mean of every rubric
+    component (`components`: name -> mean, logged-only terms included), tool use, and with several
     samples per problem pass@k for each k in `ks` (default 1 and `samples_per_problem`).
     `grade_workers` sandboxes grade at once; `keep_problems` adds one record per problem;
     `max_batch` episodes run at once (0 = all)."""
@@ -94,6 +96,7 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
     out: dict[str, Any] = {
         "success": mean(s.success for s in scored),
         "reward": mean(s.reward for s in scored),
+        "components": component_means(scored),
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
         "malformed_rate": mean(t.num_malformed_calls > 0 for t in trajs),
         "truncated_rate": mean(t.truncated for t in trajs),
@@ -128,9 +131,16 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
     return out
 
 
+def component_means(scored: list[Scored]) -> dict[str, float]:
+    """Each rubric component's mean over the scored trajectories that have it (a term whose
+    function raised has none; in a mixture, each task's terms are its own rows'), in rubric order."""
+    names = dict.fromkeys(k for s in scored for k in s.components)
+    return {k: mean(s.components[k] for s in scored if k in s.components) for k in names}
+
+
 def _summary(scored: list[Scored], problems: list[dict[str, Any]], k_samples: int, ks: list[int]) -> dict[str, Any]:
     d: dict[str, Any] = {"n": len(problems), "success": mean(s.success for s in scored),
-                         "reward": mean(s.reward for s in scored)}
+                         "reward": mean(s.reward for s in scored), "components": component_means(scored)}
     if k_samples > 1:
         d["pass@k"] = {str(k): mean(pass_at_k(k_samples, p["correct"], k) for p in problems) for k in ks}
     return d

@@ -10,8 +10,9 @@ A conversation is rendered exactly as a rollout of it would be (tokens in, token
 
 so the loss covers the assistant turns only, and (Hermes) an assistant turn that ends with
 `</tool_call>` is not followed by a trained end-of-turn token (the engine stops on that string;
-the renderer closes the turn with mask 0). `tests/train/test_sft.py` checks that a calculator
-gold trace rendered here has the very ids and mask that a rollout of the same turns produces.
+the renderer closes the turn with mask 0). `tests/train/test_sft.py` checks that a task's gold
+trace (`Task.gold_trace`: calculator, gsm8k-tool) rendered here has the very ids and mask that a
+rollout of the same turns produces.
 
 Row formats (JSONL, one object per line; a malformed row fails with its file and line):
 
@@ -32,12 +33,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from actloop.data.jsonl import ROLES, DataError, read_jsonl_objects, validate_row
+from actloop.envs.base import Env
 from actloop.rollout.renderer import Renderer
-from actloop.tasks.calculator import CalculatorEnv, _example
 from actloop.types import Message, ToolCall
+
+GoldTrace = Callable[[dict[str, Any]], list[Message] | None]  # `Task.gold_trace`: row -> completion messages
 
 
 @dataclass(frozen=True)
@@ -210,21 +213,40 @@ def load_sft_sequences(path: str | Path, renderer: Renderer) -> list[Sequence]:
     return [render_conversation(renderer, *parse_sft_row(row, where)) for where, row in read_jsonl_objects(path)]
 
 
-# ------------------------------------------------------------------------------ calculator data
+# ------------------------------------------------------------------------------ gold traces
 
 
-def calculator_gold_messages(row: dict[str, Any]) -> tuple[list[Message], list[Message]]:
-    """The ReTool-style cold-start trace of one calculator problem: the environment's own prompt
-    (system + worked examples + question), then a tool call with the row's expression, the tool
-    result, and `The answer is N.`"""
-    prompt, _tools = CalculatorEnv().reset(row)
-    return list(prompt), _example(row["question"], row["expression"])[1:]
+def gold_conversation(gold_trace: GoldTrace, make_env: Callable[[], Env], row: dict[str, Any]
+                      ) -> tuple[list[Message], list[Message], list[dict[str, Any]], str] | None:
+    """A task's gold episode of `row` as a rollout of it opens: (the environment's own prompt
+    messages, the gold completion `gold_trace(row)`, the tool schemas `reset` declares, the
+    environment's `tool_prompt` wording), or None when the row has no gold trace."""
+    completion = gold_trace(row)
+    if completion is None:
+        return None
+    env = make_env()
+    try:
+        prompt, tools = env.reset(row)
+    finally:
+        env.close()
+    return list(prompt), list(completion), list(tools or ()), getattr(env, "tool_prompt", "") or ""
 
 
-def calculator_gold_sequences(rows: list[dict[str, Any]], renderer: Renderer) -> list[Sequence]:
-    tools = CalculatorEnv().tool_schemas()  # declared in the prompt in the env's wording, as in a rollout
-    return [render_conversation(renderer, *calculator_gold_messages(r), tools=tools,
-                                tool_prompt=CalculatorEnv.tool_prompt) for r in rows]
+def gold_sequences(gold_trace: GoldTrace, make_env: Callable[[], Env], rows: list[dict[str, Any]],
+                   renderer: Renderer) -> tuple[list[Sequence], int]:
+    """The ReTool-style cold-start data of a task (`Task.gold_trace`): each row's gold episode
+    rendered exactly as a rollout of the same turns renders it (tools declared as the environment
+    declares them; `tests/train/test_sft.py` checks ids and mask against a rollout). Returns
+    (sequences, number of rows skipped for having no gold trace)."""
+    seqs, skipped = [], 0
+    for row in rows:
+        conv = gold_conversation(gold_trace, make_env, row)
+        if conv is None:
+            skipped += 1
+            continue
+        prompt, completion, tools, tool_prompt = conv
+        seqs.append(render_conversation(renderer, prompt, completion, tools=tools, tool_prompt=tool_prompt))
+    return seqs, skipped
 
 
 def messages_json(messages) -> list[dict[str, Any]]:

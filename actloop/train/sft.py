@@ -4,17 +4,21 @@
                   ─► batches of sft.batch_size, sft.epochs passes ─► token-mean NLL ─► AdamW
 
 The data is `data.path` (JSONL rows with `messages`, or `prompt` + `completion`) or, without it,
-gold traces of the calculator task — the ReTool-style cold start before RL: for
-`train.steps * sft.batch_size` training problems, the environment's own prompt, then
+the task's gold traces (`Task.gold_trace`) — the ReTool-style cold start before RL: for
+`train.steps * sft.batch_size` training problems, the environment's own prompt (and tools), then
+the gold episode. For the calculator,
 
     assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "<row expression>"}}</tool_call>
     tool       <result>                       (rendered as the template renders tool results)
     assistant  The answer is <result>.
 
-so one epoch is `train.steps` optimizer steps. Tool results and prompts have mask 0: the model
-learns to call the tool and to read its answer, not to predict the tool's output. The loss is
-the mean NLL over all assistant tokens of a batch (each token counts once, long traces more),
-accumulated exactly over micro-batches of `train.micro_batch_size` conversations.
+for `gsm8k-tool`, GSM8K's solution lines, each with a python call that prints its calculation
+(`actloop.tasks.gsm8k_tool`). Rows without a trace are skipped and counted (`sft_data.skipped`
+in the summary), so one epoch is at most `train.steps` optimizer steps. Tool results and prompts
+have mask 0: the model learns to call the tool and to read its answer, not to predict the tool's
+output. The loss is the mean NLL over all assistant tokens of a batch (each token counts once,
+long traces more), accumulated exactly over micro-batches of `train.micro_batch_size`
+conversations.
 
 The final checkpoint (RUN_DIR/final, LoRA merged) is a plain model directory: chain RL after it
 with `actloop train model=RUN_DIR/final` (see docs/compare.md).
@@ -22,10 +26,14 @@ with `actloop train model=RUN_DIR/final` (see docs/compare.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 from actloop.config import Config, ConfigError
+from actloop.tasks.base import LoadedTask
+from actloop.tasks.registry import build_task
 from actloop.train.common import Run, Timer, offline_schedule, progress_bar
 from actloop.train.logprobs import token_logprobs
-from actloop.train.pairs import Sequence, calculator_gold_sequences, check_rows, load_sft_sequences, parse_sft_row
+from actloop.train.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
 from actloop.train.trainer import PromptSampler, RunResult
 
 
@@ -50,32 +58,46 @@ def sft_step(cfg: Config, run: Run, optimizer, scheduler, batch: list[Sequence])
             "conversations": len(batch), "grad_norm": grad_norm}
 
 
-def sft_data(cfg: Config, run: Run, print_fn=print) -> list[Sequence]:
-    if cfg.data.path:
+def gold_task(cfg: Config) -> LoadedTask:
+    """`data.task` with its training rows, for `algo=sft` without `data.path`: it trains on the
+    task's gold traces (`Task.gold_trace`). A task without them is a ConfigError, raised before a
+    run directory exists."""
+    task = build_task(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None, eval_path=None)))
+    if task.definition is None or task.definition.gold_trace is None:
+        raise ConfigError(f"algo=sft without data.path trains on the task's gold traces (`Task.gold_trace`), and "
+                          f"`{task.name}` has none: set data.path to a JSONL of conversations")
+    return task
+
+
+def sft_data(cfg: Config, run: Run, gold: LoadedTask | None, print_fn=print) -> list[Sequence]:
+    """The rendered conversations to train on: `data.path`'s, or the gold traces of `gold`'s
+    task for `train.steps * sft.batch_size` sampled training rows (rows without one are skipped)."""
+    skipped = 0
+    if gold is None:
         seqs = load_sft_sequences(cfg.data.path, run.renderer)
         source = cfg.data.path
     else:
-        if run.task.name != "calculator":
-            raise ConfigError(f"algo=sft without data.path has gold traces for data.task=calculator only, "
-                              f"not `{run.task.name}`: set data.path to a JSONL of conversations")
-        n = min(cfg.train.steps * cfg.sft.batch_size, len(run.task.train_rows))
-        rows = PromptSampler(run.task.train_rows, cfg.seed).next(n)
-        seqs = calculator_gold_sequences(rows, run.renderer)
-        source = "calculator gold traces"
-    run.summary["sft_data"] = {"source": source, "conversations": len(seqs),
+        n = min(cfg.train.steps * cfg.sft.batch_size, len(gold.train_rows))
+        rows = PromptSampler(gold.train_rows, cfg.seed).next(n)
+        seqs, skipped = gold_sequences(gold.definition.gold_trace, gold.make_env, rows, run.renderer)
+        source = f"{gold.name} gold traces"
+    run.summary["sft_data"] = {"source": source, "conversations": len(seqs), "skipped": skipped,
                                "assistant_tokens": sum(s.num_loss_tokens for s in seqs)}
-    print_fn(f"SFT data: {len(seqs)} conversations ({source}), "
-             f"{run.summary['sft_data']['assistant_tokens']} assistant tokens")
+    print_fn(f"SFT data: {len(seqs)} conversations ({source}"
+             + (f"; {skipped} rows without a gold trace skipped" if skipped else "")
+             + f"), {run.summary['sft_data']['assistant_tokens']} assistant tokens")
     return seqs
 
 
 def train_sft(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     """`algo=sft`."""
+    # bad data, or a task without gold traces, fails before a run directory exists
+    gold = None if cfg.data.path else gold_task(cfg)
     if cfg.data.path:
-        check_rows(cfg.data.path, parse_sft_row)  # bad data fails before a run directory exists
+        check_rows(cfg.data.path, parse_sft_row)
     run = Run(cfg, print_fn)
     run.evaluate("eval_before")
-    seqs = sft_data(cfg, run, print_fn)
+    seqs = sft_data(cfg, run, gold, print_fn)
     optimizer, scheduler = run.optimizer()
     plan = offline_schedule(cfg, len(seqs), cfg.sft.batch_size, cfg.sft.epochs, "conversations", "sft.epochs", print_fn)
     with progress_bar(len(plan), progress) as bar:

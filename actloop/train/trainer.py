@@ -63,6 +63,15 @@ def make_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
+def write_problems(run_dir: Path, label: str, res: dict[str, Any]) -> dict[str, Any]:
+    """Move a held-out evaluation's per-problem records (`evaluate(..., keep_problems=True)`) to
+    RUN_DIR/<label>.jsonl, one line a problem (id, source, correct, samples, rewards), and return
+    the rest for summary.json: `actloop compare` pairs the problems across runs for its tests."""
+    problems = res.pop("problems", [])
+    (run_dir / f"{label}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems))
+    return res
+
+
 class PromptSampler:
     """Shuffled passes over the training rows, deterministic under the seed."""
 
@@ -172,6 +181,17 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
     for k in names:
         record[f"reward/{k}"] = mean(s.components[k] for s in scored if k in s.components)
     return record
+
+
+def eval_metrics(res: dict[str, Any]) -> dict[str, Any]:
+    """A periodic evaluation's line in metrics.jsonl: greedy success (`eval_success`, which the
+    reward-hacking alarm watches), mean reward (`eval_reward`: for a graded share such as the
+    instructions task's, the loose accuracy), and per source of a data.mix `eval/<source>/success`
+    and `eval/<source>/reward`."""
+    out = {"eval_success": res["success"], "eval_reward": res["reward"], "eval_s": round(res["seconds"], 3)}
+    for src, r in res.get("per_source", {}).items():
+        out[f"eval/{src}/success"], out[f"eval/{src}/reward"] = r["success"], r["reward"]
+    return out
 
 
 def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
@@ -348,9 +368,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         with peaks("eval"):
             res = evaluate(engine, renderer, task, rows if rows is not None else task.eval_rows,
                            cfg.rollout.max_new_tokens, cfg.rollout.max_turns, max_context=cfg.rollout.max_context,
-                           schedule=cfg.rollout.schedule, max_batch=cfg.rollout.max_batch)
+                           schedule=cfg.rollout.schedule, max_batch=cfg.rollout.max_batch, keep_problems=rows is None)
         if rows is None:
-            summary[label] = res
+            summary[label] = write_problems(run_dir, label, res)
         print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
         return res
 
@@ -409,7 +429,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 # greedy (no random numbers drawn), so a resumed run stays identical
                 res = run_eval(f"eval at step {step}", task.eval_rows[: cfg.train.eval_every_rows or None])
                 if res is not None:
-                    record.update(eval_success=res["success"], eval_s=round(res["seconds"], 3))
+                    record.update(eval_metrics(res))
             record.update(peaks.step_metrics())  # this step's phases (a checkpoint's lands in the next step)
             monitor.log_step(record, scored)
             failure_log.write(failures)

@@ -117,3 +117,17 @@ def test_per_source_metrics():
     assert set(m) == {f"source/{s}/{k}" for s in "ab" for k in ("n", "reward_mean", "reward_std", "success",
                                                                  "tool_calls_per_episode", "truncated_rate", "masked")}
     assert per_source_metrics([Scored(text_trajectory("x", {}), 1.0, {})])["source/default/n"] == 1
+
+
+def test_periodic_eval_line_carries_each_source():
+    """metrics.jsonl at a periodic evaluation: overall success and reward, and each mix source's."""
+    from actloop.train.trainer import eval_metrics
+
+    res = {"success": 0.5, "reward": 0.625, "seconds": 12.3456,
+           "per_source": {"calculator": {"n": 2, "success": 1.0, "reward": 1.0},
+                          "instructions": {"n": 2, "success": 0.0, "reward": 0.25}}}
+    assert eval_metrics(res) == {"eval_success": 0.5, "eval_reward": 0.625, "eval_s": 12.346,
+                                 "eval/calculator/success": 1.0, "eval/calculator/reward": 1.0,
+                                 "eval/instructions/success": 0.0, "eval/instructions/reward": 0.25}
+    assert eval_metrics({"success": 0.1, "reward": 0.2, "seconds": 1}) == {"eval_success": 0.1, "eval_reward": 0.2,
+                                                                          "eval_s": 1}

@@ -11,7 +11,10 @@ import pytest
 
 from actloop.config import load_config
 from actloop.tasks import build_task
+from actloop.tasks.base import LoadedTask
+from actloop.tasks.gsm8k_tool import TASK as GSM8K_TOOL
 from actloop.train.evaluate import evaluate, pass_at_k
+from actloop.types import Message, ToolCall, Trajectory, Turn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +54,27 @@ def test_evaluate_keeps_the_trainers_call(renderer, scripted):
     eng = scripted(renderer, [[f"<answer>{r['solution']}</answer>" for r in t.eval_rows]])
     res = evaluate(eng, renderer, t, t.eval_rows, 32, 1)  # positional, as actloop.train calls it
     assert res["success"] == 1.0 and "pass@k" not in res and "problems" not in res
+
+
+def test_evaluate_reports_the_mean_of_every_rubric_component():
+    """`components`: each term's mean, weight-0 ones included, over hand-built gsm8k-tool episodes
+    (a task's own episode runner hands them to `evaluate`, no engine needed)."""
+
+    def ep(final, printed=None, errors=0):  # an optional python call that printed `printed`, then `final`
+        call = Message("assistant", "", tool_calls=(ToolCall("python", {"code": "..."}),))
+        turns = [] if printed is None else [
+            Turn(call, (), (), "tool_call", env_messages=(Message("tool", printed, name="python"),))]
+        turns.append(Turn(Message("assistant", final), (), (), "stop"))
+        return Trajectory((Message("user", "q"),), (), tuple(turns), row={"answer": "#### 24", "source": "gsm8k-tool"},
+                          info={"python_errors": errors})
+
+    trajs = [ep("#### 24", "24.0"), ep("#### 24"), ep("It is 25.", "24.0"), ep("#### 24", "24", errors=2)]
+    rows = [t.row for t in trajs]
+    task = LoadedTask("gsm8k-tool", GSM8K_TOOL.env, GSM8K_TOOL.rubric(), [], rows, rollout=lambda *args: trajs)
+    res = evaluate(None, None, task, rows, 64, 3)
+    assert res["components"] == {"correct": 0.75, "format": 0.75, "used_tool": 0.75, "tool_errors": 0.5,
+                                 "answer_from_tool": 0.5}
+    assert res["success"] == 0.75 and res["tool_calls_per_episode"] == 0.75
 
 
 def run_cli(*args):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from actloop.config import load_config
+from actloop.config import ConfigError, load_config
 from actloop.data.jsonl import DataError
 from actloop.rewards import RewardError
 from actloop.train.common import offline_schedule
@@ -58,6 +58,7 @@ def test_bad_data_and_config_fail_before_a_run_directory_exists(tmp_path):
         (DataError, "bad.jsonl:2: not valid JSON", ["algo=dpo", f"data.path={bad}"]),
         (DataError, "bad.jsonl:1: field `prompt`", [f"data.path={bad}", f"reward.funcs=[{reward}:one]"]),
         (RewardError, "No module named 'no_such_module_xyz'", [f"data.path={bad}", "reward.funcs=[no_such_module_xyz:f]"]),
+        (ConfigError, "`countdown` has none: set data.path", ["algo=sft", "data.task=countdown"]),  # no gold traces
     ]
     for error, msg, over in cases:
         with pytest.raises(error, match=msg):

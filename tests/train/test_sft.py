@@ -12,12 +12,11 @@ import torch
 
 from actloop.config import load_config
 from actloop.data.jsonl import DataError
-from actloop.tasks.calculator import CalculatorEnv, make_splits
+from actloop.tasks.calculator import CalculatorEnv, gold_trace, make_splits
 from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
-from actloop.train.pairs import (calculator_gold_messages, calculator_gold_sequences, load_sft_sequences,
-                                 masked_spans)
+from actloop.train.pairs import gold_conversation, gold_sequences, load_sft_sequences, masked_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -46,7 +45,8 @@ def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokeniz
     r = Renderer(tokenizer)
     rows, _ = make_splits(5, 2, seed=0)
     for row in rows:
-        [seq] = calculator_gold_sequences([row], r)
+        [seq], skipped = gold_sequences(gold_trace, CalculatorEnv, [row], r)
+        assert skipped == 0
         spans = [r.decode(s) for s in masked_spans(seq.ids, seq.mask)]
         # the tool call (no end-of-turn: the engine stops at </tool_call>) and the final answer
         assert spans == [CALL % row["expression"], f"The answer is {row['answer']}.<|im_end|>"]
@@ -54,7 +54,7 @@ def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokeniz
         assert f"<tool_response>\n{row['answer']}\n</tool_response>" in text  # the tool result, mask 0
         assert text.count(row["question"]) == 1 and text.index(row["question"]) < text.rindex(spans[0])
         # identical ids and mask to a rollout of the same turns through the real environment
-        prompt, completion = calculator_gold_messages(row)
+        prompt, completion, _tools, _wording = gold_conversation(gold_trace, CalculatorEnv, row)
         turns = [r.assistant_text(m)[0] for m in completion if m.role == "assistant"]  # as the policy samples them
         [traj] = run_episodes(TeacherEngine(r, turns), r, CalculatorEnv, [row], SamplingParams(max_new_tokens=64), 3)
         assert list(seq.ids) == traj.input_ids and list(seq.mask) == traj.loss_mask
@@ -72,7 +72,7 @@ def test_gold_traces_score_full_marks(tokenizer):
     task = build_task(load_config(None, ["data.train_size=4", "data.eval_size=2"]))
     trajs = []
     for row in task.train_rows:
-        _, completion = calculator_gold_messages(row)
+        completion = task.definition.gold_trace(row)
         turns = [r.assistant_text(m)[0] for m in completion if m.role == "assistant"]  # as the policy samples them
         trajs += run_episodes(TeacherEngine(r, turns), r, task.make_env, [row], SamplingParams(max_new_tokens=64), 3)
     assert [s.reward for s in task.rubric.score(trajs)] == [1.0] * 4
