@@ -5,9 +5,10 @@ Every (algorithm, seed) runs as its own child process, `python -m actloop train 
 seed=S run_name=<algo>-s<S>`, with the same steps, prompts per step, group size and held-out set
 for every algorithm of a seed, so that
 
-  * peak memory is that run's own: the child's peak resident set size (`ru_maxrss` from
-    `os.wait4` on that child — per child, not the maximum over all children that
-    `getrusage(RUSAGE_CHILDREN)` would give), also when `--parallel` runs several at once;
+  * peak memory is that run's own: the largest per-phase peak RSS it measured (summary.json
+    `peak_mem_mb`) or the child's `ru_maxrss` from `os.wait4` on that child (per child, not the
+    maximum over all children that `getrusage(RUSAGE_CHILDREN)` would give), whichever is larger
+    (`peak_memory`), also when `--parallel` runs several at once;
   * one run that fails (not wired yet, out of memory, a bug) becomes a row with its error, and
     the comparison goes on: the other seeds of that algorithm still aggregate.
 
@@ -66,6 +67,7 @@ class AlgoResult:
     run_dir: str | None = None
     wall_s: float | None = None
     peak_mem_mib: float | None = None
+    run_peak_mem_mib: float | None = None  # the largest per-phase peak the run itself measured
     seconds_per_step: float | None = None
     steps: int = 0
     reward_first: float | None = None
@@ -271,7 +273,17 @@ def summarize_run(algo: str, run_dir: Path, window: int, seed: int = 0) -> AlgoR
             setattr(res, attr, summary[key].get("success"))
     res.problems_after = {f"{p.get('source', '')}/{p['id']}": bool(p["correct"])
                           for p in _read_jsonl(run_dir / "eval_after.jsonl")}
+    phases = summary.get("peak_mem_mb")
+    res.run_peak_mem_mib = max(phases.values()) if isinstance(phases, dict) and phases else None
     return res
+
+
+def peak_memory(row: AlgoResult, ru_maxrss_mib: float) -> float:
+    """The run's peak RSS: the largest of its own per-phase peaks (summary.json `peak_mem_mb`) and
+    the child's `ru_maxrss`. The trainer resets the kernel's high-water mark at each phase
+    (/proc/self/clear_refs, `actloop.train.memory`), and Linux reports that reset mark as
+    ru_maxrss at exit: alone it would be the last phase's peak, not the run's."""
+    return round(max(ru_maxrss_mib, row.run_peak_mem_mib or 0.0), 1)
 
 
 def _fmt(x: float | None, spec: str = ".3f", suffix: str = "") -> str:
@@ -474,7 +486,7 @@ def run_compare(algos: list[str], steps: int = 20, eval_size: int = 200, output_
             elif reuse and record.exists() and json.loads(record.read_text()).get("ok"):
                 row = summarize_run(algo, out / name, window, seed)
                 kept = json.loads(record.read_text())
-                row.wall_s, row.peak_mem_mib = kept["wall_s"], kept["peak_mem_mib"]
+                row.wall_s, row.peak_mem_mib = kept["wall_s"], peak_memory(row, kept["peak_mem_mib"])
                 done[algo, seed] = row
                 print_fn(f"[{name}] reusing the finished run in {out / name}")
             else:
@@ -506,7 +518,7 @@ def run_compare(algos: list[str], steps: int = 20, eval_size: int = 200, output_
         else:
             row = AlgoResult(algo, ok=False, seed=seed, error=_failure(code, wall, timeout_s, log),
                              run_dir=str(run_dir))
-        row.wall_s, row.peak_mem_mib = round(wall, 1), round(peak, 1)
+        row.wall_s, row.peak_mem_mib = round(wall, 1), peak_memory(row, peak)
         (out / f"{name}.result.json").write_text(
             json.dumps({"ok": row.ok, "wall_s": row.wall_s, "peak_mem_mib": row.peak_mem_mib}))
         print_fn(f"[{name}] {'ok' if row.ok else 'FAILED'} in {wall:.0f}s, peak memory {peak:.0f} MiB"

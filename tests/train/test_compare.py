@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from actloop.train.compare import (AlgoResult, MeanStd, _split_overrides, aggregate, markdown_table,
+from actloop.train.compare import (AlgoResult, MeanStd, _split_overrides, aggregate, markdown_table, peak_memory,
                                    pairwise_tests, plot, run_child, run_compare, success_before, summarize_run)
 
 
@@ -257,3 +257,18 @@ def test_compare_grpo_and_dpo_one_step_each(tmp_path):
     if importlib.util.find_spec("matplotlib"):  # the plot needs matplotlib; the table does not
         assert res.png is not None and res.png.read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "compare.md").read_text().count("ok, 1 steps") == 4  # the aggregated and per-run tables
+
+
+def test_peak_memory_is_the_runs_largest_phase_not_the_reset_high_water_mark(tmp_path):
+    """The trainer resets the kernel's high-water mark at each phase, so the child's ru_maxrss is
+    its last phase's peak; the row takes the run's own per-phase maximum when that is larger."""
+    d = fake_run(tmp_path, "grpo", [0, 1], [0, 0], [1, 1])
+    summary = json.loads((d / "summary.json").read_text())
+    summary["peak_mem_mb"] = {"model_load": 1400.0, "eval": 2500.0, "rollout": 3100.0, "update": 6800.0}
+    (d / "summary.json").write_text(json.dumps(summary))
+    row = summarize_run("grpo", d, window=1)
+    assert row.run_peak_mem_mib == 6800.0
+    assert peak_memory(row, 2600.0) == 6800.0       # ru_maxrss read after the last reset: the eval's peak
+    assert peak_memory(row, 7000.04) == 7000.0      # a larger ru_maxrss (no reset took effect) wins
+    bare = summarize_run("g0", fake_run(tmp_path, "g0", [0, 1], [0, 0], [1, 1]), window=1)
+    assert bare.run_peak_mem_mib is None and peak_memory(bare, 1234.56) == 1234.6
