@@ -116,11 +116,15 @@ def _plot_success(ax, d: RunData) -> bool:
         drawn |= _line(ax, d.metrics, k, f"held-out: {k}", linestyle="--")
     # a data.mix: each source's training success (thin) and held-out success (dashed), one colour each
     sources = sorted({k.split("/")[1] for k in _keys(d.metrics, "source/") if k.endswith("/success")})
+    steps = [s for s, _ in series(d.metrics, "success")] or [0]
     for i, src in enumerate(sources):
         color = f"C{(i + 3) % 10}"
         drawn |= _line(ax, d.metrics, f"source/{src}/success", f"train: {src}", linewidth=0.8, color=color)
         drawn |= _line(ax, d.metrics, f"eval/{src}/success", f"held-out: {src}", linestyle="--", color=color)
-    steps = [s for s, _ in series(d.metrics, "success")] or [0]
+        for label, x in (("eval_before", 0), ("eval_after", max(steps))):  # the source's greedy before/after
+            v = (d.summary.get(label) or {}).get("per_source", {}).get(src, {}).get("success")
+            if isinstance(v, (int, float)):
+                ax.scatter([x], [v], marker="*", s=70, color=color, zorder=5)
     for label, x in (("eval_before", 0), ("eval_after", max(steps))):
         v = d.summary.get(label, {}).get("success") if isinstance(d.summary.get(label), dict) else None
         if isinstance(v, (int, float)):

@@ -43,8 +43,10 @@ def describe_eval(cfg: Config, task: LoadedTask) -> str:
     """What an offline run's held-out evaluation measures, said at the start."""
     if cfg.data.eval_path:
         return f"{len(task.eval_rows)} rows of data.eval_path {cfg.data.eval_path} (scored by reward.funcs)"
-    return (f"{len(task.eval_rows)} held-out problems of data.task={task.name} (data.path holds the training data; "
-            "set data.eval_path to evaluate on your own rows)")
+    held = f"{len(task.eval_rows)} held-out problems of data.task={task.name}"
+    if not cfg.data.path:  # the trainer's data are the task's own (gold traces, sampled pairs)
+        return held
+    return f"{held} (data.path holds the training data; set data.eval_path to evaluate on your own rows)"
 
 
 def seed_everything(cfg: Config) -> None:

@@ -121,11 +121,15 @@ def test_success_plot_draws_each_source_of_a_mix(tmp_path):
                 "source/instructions/success": 0.2, "source/calculator/reward_mean": 0.5,
                 **({"eval_success": 0.5, "eval/calculator/success": 0.6, "eval/instructions/success": 0.3}
                    if s % 2 == 0 else {})} for s in range(1, 5)]
+    summary = {label: {"success": 0.3, "per_source": {"calculator": {"success": 0.44}, "instructions": {"success": v}}}
+               for label, v in (("eval_before", 0.16), ("eval_after", 0.48))}
     fig, ax = plt.subplots()
     try:
-        assert _plot_success(ax, RunData(run_dir=tmp_path, metrics=metrics))
+        assert _plot_success(ax, RunData(run_dir=tmp_path, metrics=metrics, summary=summary))
         labels = ax.get_legend_handles_labels()[1]
+        stars = [tuple(c.get_offsets()[0]) for c in ax.collections]
     finally:
         plt.close(fig)
+    assert {(0, 0.16), (4, 0.48), (0, 0.44), (4, 0.44), (0, 0.3), (4, 0.3)} == set(stars)  # per source and overall
     assert {"train: calculator", "train: instructions", "held-out: calculator", "held-out: instructions"} <= set(labels)
     assert "train: reward_mean" not in labels
