@@ -161,3 +161,45 @@ def test_sft_then_grpo_chain_from_the_recipes(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and math.isfinite(lines[0]["reward_mean"])
     assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["model"] == str(final)
+
+
+def test_sft_micro_batches_keep_the_token_budget_and_the_gradient(tiny_qwen3_dir):
+    """train.max_tokens_per_microbatch bounds each SFT forward (long tool traces); the accumulated
+    step is the same as one forward over the whole batch."""
+    from types import SimpleNamespace
+
+    from actloop.models import load_models
+    from actloop.train import sft
+    from actloop.train.pairs import Sequence
+
+    seqs = [Sequence(tuple(range(5, 5 + n)), (0,) * 3 + (1,) * (n - 3)) for n in (12, 7, 20, 9)]
+    changes, sizes = [], []
+    for budget in (0, 24):
+        models = load_models(tiny_qwen3_dir)
+        start = {k: v.clone() for k, v in models.policy.state_dict().items()}
+        opt = torch.optim.SGD(models.policy.parameters(), lr=1e-2)
+
+        def step(optimizer, scheduler):
+            optimizer.step()
+            return 0.0
+
+        seen = []
+        real = sft.token_logprobs
+
+        def recording(policy, ids, mask, *a, **kw):
+            seen.append(sorted(len(x) for x in ids))
+            return real(policy, ids, mask, *a, **kw)
+
+        cfg = load_config(None, ["algo=sft", "train.precision=fp32", f"train.max_tokens_per_microbatch={budget}"])
+        sft.token_logprobs = recording
+        try:
+            m = sft.sft_step(cfg, SimpleNamespace(models=models, clip_and_step=step), opt, None, seqs)
+        finally:
+            sft.token_logprobs = real
+        sizes.append(seen)
+        changes.append({k: v - start[k] for k, v in models.policy.state_dict().items()})
+        assert m["tokens"] == sum(s.num_loss_tokens for s in seqs)
+    assert sizes[0] == [[7, 9, 12, 20]]                        # no budget: one forward
+    assert sizes[1] == [[7, 9], [12], [20]]                    # by length, each <= 24 padded tokens (or alone)
+    assert max(float((changes[0][k] - changes[1][k]).abs().max()) for k in changes[0]) < 1e-5
+    assert max(float(v.abs().max()) for v in changes[0].values()) > 1e-4  # the step changed the weights
