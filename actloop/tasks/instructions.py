@@ -10,17 +10,20 @@ constraint, so each generated row is known to be satisfiable.
 Held-out prompts carry constraint combinations that no training prompt has (`make_splits`).
 
 Reward: the instructions grader (`actloop.rewards.instructions`): the fraction of constraints
-met — IFEval's *loose* (here: per-constraint) accuracy is the mean reward; an empty answer
+met, zeroed when the answer does not do the writing task at all (`off_task`: too short, or never
+mentions the topic) — IFEval's *loose* (here: per-constraint) accuracy is the mean reward; an empty answer
 scores 0. `success` = all met, IFEval's *strict* (per-prompt) accuracy.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from typing import Any, Callable
 
 from actloop.envs.prompted import PromptEnv, qa_shots
-from actloop.rewards.instructions import instructions_reward
+from actloop.rewards.flags import Flag
+from actloop.rewards.instructions import instructions_reward, words
 from actloop.rewards.rubric import RewardTerm
 from actloop.tasks.base import Task
 
@@ -90,7 +93,7 @@ def gold_response(topic: str, constraints: list[Spec]) -> str:
         parts.append(by["starts_with"]["phrase"])
     if "title" in by:
         parts.append("<<Notes>>")
-    body = f"Here are my notes about {topic}."
+    body = f"Here are my notes about {topic}. I think about it often and enjoy it."
     if "required_words" in by:
         body += " It feels " + " and ".join(by["required_words"]["words"]) + "."
     if "keyword_frequency" in by:
@@ -149,6 +152,29 @@ _SHOT_PROBLEMS = [
      "a sunny beach", [{"type": "starts_with", "phrase": "Sure"}, {"type": "lowercase"}]),
 ]
 SHOTS = qa_shots([(q, gold_response(t, c)) for q, t, c in _SHOT_PROBLEMS])
+
+MIN_WORDS = 12  # the shortest gold answer has 13; any honest note of "a few lines" has more
+
+
+def off_task(text: str, row: dict[str, Any]) -> list[Flag]:
+    """Hack detector: an answer that does not do the writing task — fewer than MIN_WORDS words, or
+    no mention of the topic's head noun (`a school trip` -> `trip`, plurals too). Constraints alone
+    are met by replies that write nothing: "sure" satisfies "no commas" and "lowercase", echoing
+    "That is all." satisfies the ending. Measured: a GRPO run rewarded without this check took
+    strict accuracy from 16% to 45%, and all 45 successes were such replies ("sure", "golden and
+    green", "P.S."). Flagged `off_task`; the rubric's default policy zeroes the reward. Only rows
+    with a `topic` (the generated ones) are checked."""
+    topic = str(row.get("topic") or "").split()
+    if not topic:  # rows of your own (IFEval's form) are graded by their constraints alone
+        return []
+    n = len(words(text))
+    if n < MIN_WORDS:
+        return [Flag("off_task", f"{n} words; the task asks for a note of a few lines (>= {MIN_WORDS} words)")]
+    head = topic[-1].lower()
+    stem = head[:-1] if head.endswith("s") and len(head) > 3 else head
+    if not re.search(rf"\b{re.escape(stem)}", text, re.I):
+        return [Flag("off_task", f"never mentions the topic ({' '.join(topic)})")]
+    return []
 SYSTEM = "Follow every instruction in the request exactly."
 
 
@@ -164,6 +190,7 @@ TASK = Task(
     name="instructions",
     env=env,
     rewards=[RewardTerm("instructions", instructions_reward())],
+    detectors=(off_task,),
     splits=make_splits,
     success="instructions",
     gold=gold_completion,

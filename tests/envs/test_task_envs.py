@@ -217,9 +217,16 @@ def test_instructions_gold_and_violations(renderer, scripted):
     assert trajs[0].prompt_messages[-1].content == rows[0]["instruction"]
     row = {"instruction": "Write about trains. Do not use any commas. Write everything in lowercase letters.",
            "topic": "trains", "constraints": [{"type": "no_commas"}, {"type": "lowercase"}], "source": "instructions"}
-    _, scored = play(t, scripted(renderer, [["Trains, I like.", "trains, i like.", "", "trains are fast."]]), [row] * 4)
-    assert [s.reward for s in scored] == [0.0, 0.5, 0.0, 1.0]
-    assert "empty_response" in scored[2].flags
+    day = " them to work every single day of the week."
+    replies = ["Trains, I like riding" + day, "trains, i like riding" + day, "", "trains are fast and i ride" + day,
+               "sure", "i like my bike a lot and i ride it to work every single day."]
+    _, scored = play(t, scripted(renderer, [replies]), [row] * len(replies))
+    assert [s.reward for s in scored] == [0.0, 0.5, 0.0, 1.0, 0.0, 0.0]
+    assert "empty_response" in scored[2].flags and scored[3].success
+    # constraints met without doing the task: too short, or about something else (off_task, zeroed)
+    assert [s.components["instructions"] for s in scored[4:]] == [1.0, 1.0]
+    assert all(s.flags == ("off_task",) and not s.success for s in scored[4:]), [s.flags for s in scored[4:]]
+    assert "1 words" in scored[4].flags[0].evidence and "trains" in scored[5].flags[0].evidence
 
 
 def test_instruction_prompts_are_seeded_and_gold_answers_satisfy_them():
