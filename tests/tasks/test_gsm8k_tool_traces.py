@@ -8,7 +8,8 @@ import json
 import pytest
 
 from actloop.data.sources import data_dir
-from actloop.rollout.engine import Completion, EngineBase, SamplingParams
+from actloop.rollout.engine import SamplingParams
+from fixtures.teacher import TeacherEngine
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.rewards.code import default_sandbox
@@ -146,23 +147,6 @@ def test_the_sandbox_prints_what_every_trace_says():
     finally:
         session.close()
     assert len(steps) == 23689 and wrong == []
-
-
-class TeacherEngine(EngineBase):
-    """Returns the given assistant turns as if sampled (as in tests/train/test_sft.py)."""
-
-    def __init__(self, renderer, turns):
-        self.r, self.turns = renderer, list(turns)
-
-    def generate(self, prompts, params):
-        text = self.turns.pop(0)
-        ids = self.r.encode(text)
-        stop = text.endswith("</tool_call>")
-        ids = ids if stop or ids[-1] in self.r.eos_token_ids else ids + [self.r.eos_token_ids[0]]
-        return [Completion(tuple(ids), (0.0,) * len(ids), "stop_string" if stop else "stop") for _ in prompts]
-
-    def sync_weights(self, model):
-        pass
 
 
 def calls_and_results(messages):

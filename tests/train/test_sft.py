@@ -13,32 +13,14 @@ import torch
 from actloop.config import load_config
 from actloop.data.jsonl import DataError
 from actloop.tasks.calculator import CalculatorEnv, gold_trace, make_splits
-from actloop.rollout.engine import Completion, EngineBase, SamplingParams
+from actloop.rollout.engine import SamplingParams
+from fixtures.teacher import TeacherEngine
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.train.pairs import gold_conversation, gold_sequences, load_sft_sequences, masked_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
-
-
-class TeacherEngine(EngineBase):
-    """Returns the given assistant turns as if sampled: ids via the tokenizer, an EOS after a
-    turn that does not end in a tool call (the engine stops at `</tool_call>` otherwise)."""
-
-    def __init__(self, renderer, turns):
-        self.r, self.turns, self.i = renderer, turns, 0
-
-    def generate(self, prompts, params):
-        text = self.turns[self.i]
-        self.i += 1
-        ids = self.r.encode(text)
-        stop = text.endswith("</tool_call>")
-        ids = ids if stop or ids[-1] in self.r.eos_token_ids else ids + [self.r.eos_token_ids[0]]
-        return [Completion(tuple(ids), (0.0,) * len(ids), "stop_string" if stop else "stop") for _ in prompts]
-
-    def sync_weights(self, model):
-        pass
 
 
 def test_gold_trace_masks_exactly_the_assistant_turns_as_a_rollout_would(tokenizer):
