@@ -342,6 +342,12 @@ def _fmt_p(p: float | None) -> str:
     return "—" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}")
 
 
+def _p_clause(p: float) -> str:
+    """`= 0.043` or `< 0.001`, for "(p ...)" in a sentence."""
+    text = _fmt_p(p)
+    return text if text.startswith("<") else f"= {text}"
+
+
 def tests_table(tests: list[dict[str, Any]]) -> str:
     """The pairwise tests, then one line naming the pairs that differ at ALPHA after Holm."""
     if not tests:
@@ -359,7 +365,7 @@ def tests_table(tests: list[dict[str, Any]]) -> str:
     for key, name in (("mcnemar", "McNemar (per problem, pooled over seeds)"), ("welch", "Welch (per-seed rates)")):
         sig = [t for t in tests if t[f"{key}_holm"] is not None and t[f"{key}_holm"] < ALPHA]
         said = ", ".join(f"{t['a']} {'>' if t['diff'] > 0 else '<' if t['diff'] < 0 else '≠'} {t['b']} "
-                         f"(p = {_fmt_p(t[f'{key}_holm'])})" for t in sig) or "none"
+                         f"(p {_p_clause(t[f'{key}_holm'])})" for t in sig) or "none"
         lines.append(f"Significant at p < {ALPHA} after Holm's correction over {len(tests)} pairs, {name}: {said}.  ")
     return "\n".join(lines)
 
