@@ -75,6 +75,7 @@ def user_dir(tmp_path, monkeypatch):
     # the README's "Your own agent task in one file" names my_task.py: the complete example it points at
     (tmp_path / "my_task.py").write_text((ROOT / "examples" / "tasks" / "letter_count.py").read_text())
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # the agent examples, named from the repository root
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")    # so are the recipes
     (tmp_path / "solution.py").write_text("print(sum(range(10)))\n")
     (tmp_path / "answer.txt").write_text("```python\ndef remove_Occ(s, ch):\n    return s.replace(ch, '', 1)[::-1]"
                                          ".replace(ch, '', 1)[::-1]\n```\n")
