@@ -34,7 +34,7 @@ from actloop.rollout.renderer import Renderer
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
-from actloop.train.evaluate import evaluate, run_batched
+from actloop.train.evaluate import component_means, evaluate, run_batched
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
 from actloop.train.memory import PhasePeaks
@@ -177,9 +177,7 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
         for k in ("calls", "extensions", "new_segments", "drift"):
             record[f"gateway/{k}"] = sum(g[k] for g in gateway)
     record.update(per_source_metrics(scored))  # source/<name>/... when rows come from a data.mix
-    names = sorted({k for s in scored for k in s.components})
-    for k in names:
-        record[f"reward/{k}"] = mean(s.components[k] for s in scored if k in s.components)
+    record.update({f"reward/{k}": v for k, v in sorted(component_means(scored).items())})
     return record
 
 
