@@ -24,6 +24,7 @@ import torch
 
 from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
 from actloop.models.routing import RoutingTrace, install_routing
+from actloop.rollout.kv import SlackLayer, with_slack
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,7 @@ class HFEngine(EngineBase):
         out = self._forward(ids, mask, pos, cache, kpos)
         if trace is not None:
             trace.block(self._routing.take(), [len(p) - P for p in prompts])
-        cache, next_pos = output_cache(out), pos[:, -1] + 1
+        cache, next_pos = with_slack(output_cache(out)), pos[:, -1] + 1  # decode steps write in place
 
         rows = list(range(B))  # original index of each live row
         tokens: list[list[int]] = [[] for _ in range(B)]
@@ -446,12 +447,20 @@ class HFEngine(EngineBase):
                 if was_training is None and (waiting or batch.rows):
                     was_training = self.model.training
                     self.model.eval()
+                admitted = []
                 for req in waiting:
                     try:
-                        self._admit(batch, req)
+                        if (prefilled := self._prefill(req)) is not None:
+                            admitted.append(prefilled)
                     except Exception as e:  # this request fails; the others go on
                         if not req.future.done():
                             req.future.set_exception(e)
+                try:
+                    batch.join(admitted)  # one re-allocation of the batch's KV for all of them
+                except Exception as e:
+                    for row, _ in admitted:
+                        if not row.req.future.done():
+                            row.req.future.set_exception(e)
                 try:
                     if batch.rows:
                         self._step(batch)
@@ -468,9 +477,9 @@ class HFEngine(EngineBase):
                 row.req.future.set_exception(e)
         batch.rows = []
 
-    def _admit(self, batch: "_Batch", req: _Request) -> None:
-        """Prefill one request (after its longest cached prefix), sample its first token, and
-        put it into the decode batch."""
+    def _prefill(self, req: _Request) -> "tuple[_Row, Any] | None":
+        """Prefill one request (after its longest cached prefix) and sample its first token:
+        the row and its KV cache, to join the decode batch; None when that token finished it."""
         device = next(self.model.parameters()).device
         prompt = req.prompt
         P, cached = self.prefix_cache.lookup(prompt)
@@ -491,8 +500,8 @@ class HFEngine(EngineBase):
         reason = self._take(row, int(tok[0]), float(lp[0]))
         if reason is not None:
             self._resolve(row, reason)
-            return
-        batch.join(row, cache, device)
+            return None
+        return row, cache
 
     def _step(self, batch: "_Batch") -> None:
         """One decode step for every live row; finished rows leave the batch."""
@@ -599,22 +608,36 @@ class _Batch:
     def pad_of(self, j: int) -> int:
         return int((self.mask[j] == 0).sum())  # only left padding is ever zero
 
-    def join(self, row: _Row, cache: Any, device: Any) -> None:
-        """Add a prefilled row (cache batch 1, no padding): the shorter side is left-padded."""
-        s = cache.layers[0].keys.shape[2]
-        if not self.rows:
-            self.rows, self.cache = [row], cache
-            self.mask = torch.ones((1, s), dtype=torch.long, device=device)
+    def join(self, new: list[tuple[_Row, Any]]) -> None:
+        """Add prefilled rows (each a cache of batch 1, no padding): every side shorter than the
+        longest is left-padded, and each layer is re-allocated once for all of them."""
+        if not new:
             return
-        S = self.mask.shape[1]
-        L = max(S, s)
-        for mine, new in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, L - S), _left_pad(new.keys, L - s)])
-            mine.values = torch.cat([_left_pad(mine.values, L - S), _left_pad(new.values, L - s)])
-        zeros = lambda b, n: torch.zeros((b, n), dtype=torch.long, device=device)  # noqa: E731
-        self.mask = torch.cat([torch.cat([zeros(len(self.rows), L - S), self.mask], 1),
-                               torch.cat([zeros(1, L - s), torch.ones((1, s), dtype=torch.long, device=device)], 1)])
-        self.rows.append(row)
+        device = new[0][1].layers[0].keys.device
+        lens = [cache.layers[0].keys.shape[2] for _, cache in new]
+        S = self.mask.shape[1] if self.rows else 0
+        L = max([S, *lens])
+        if not self.rows:  # the first row's cache becomes the batch's (decode steps write in place: rollout/kv.py)
+            self.cache = with_slack(new[0][1])
+            self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
+            olds = [None] * len(self.cache.layers)
+        else:
+            olds = [(layer.keys, layer.values) for layer in self.cache.layers]
+        for i, layer in enumerate(self.cache.layers):
+            keys = [_left_pad(olds[i][0], L - S)] if olds[i] is not None else []
+            values = [_left_pad(olds[i][1], L - S)] if olds[i] is not None else []
+            for (_, cache), s in zip(new, lens):
+                keys.append(_left_pad(cache.layers[i].keys, L - s))
+                values.append(_left_pad(cache.layers[i].values, L - s))
+                if cache is not self.cache:  # each row's layer goes as soon as it is copied
+                    cache.layers[i].keys = cache.layers[i].values = None
+            layer.keys, layer.values = torch.cat(keys), torch.cat(values)
+            del keys, values
+        ones = [torch.cat([torch.zeros((1, L - s), dtype=torch.long, device=device),
+                           torch.ones((1, s), dtype=torch.long, device=device)], 1) for s in lens]
+        pad = torch.zeros((len(self.rows), L - S), dtype=torch.long, device=device)
+        self.mask = torch.cat([torch.cat([pad, self.mask], 1), *ones])
+        self.rows += [row for row, _ in new]
 
     def leave(self, done: list[int]) -> None:
         keep = [j for j in range(len(self.rows)) if j not in set(done)]
@@ -627,7 +650,10 @@ class _Batch:
         first = int((self.mask.sum(0) > 0).nonzero()[0])  # columns only padding: dropped
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
+            if isinstance(layer, SlackLayer):  # in place, no re-allocation
+                layer.keep(keep, first)
+            else:
+                layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
 
 
 class PrefixCache:
