@@ -124,7 +124,8 @@ def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
         "train.max_grad_norm=1.0", "train.warmup_steps=0", f"train.precision={a.precision}",
         f"train.threads={a.threads}", "train.eval_before=false", "train.eval_after=false", "train.save_final=false",
         f"lora.enabled={str(a.mode == 'lora').lower()}", f"seed={a.seed}", f"output_dir={out_dir}", "run_name=actloop",
-    ] + (["train.gradient_checkpointing=true"] if a.gradient_checkpointing else []) + list(a.actloop_override)
+        f"train.gradient_checkpointing={str(bool(a.gradient_checkpointing)).lower()}",  # both frameworks alike
+    ] + list(a.actloop_override)
     cfg = load_config(None, overrides)
     clock = StepClock(out_dir / "actloop" / "metrics.jsonl")  # a step ends when its metrics line lands
     clock.start()
@@ -173,7 +174,7 @@ def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
         scale_rewards="group", epsilon=0.2, use_vllm=False, bf16=a.precision == "bf16", use_cpu=True,
         report_to="none", save_strategy="no", logging_steps=1, seed=a.seed, disable_dropout=True,
         log_completions=False, dataloader_num_workers=0,
-        gradient_checkpointing=a.gradient_checkpointing,  # TRL's default is on; actloop's off: match
+        gradient_checkpointing=a.gradient_checkpointing,  # both frameworks default to on: set alike
     )
     ends: list[tuple[float, float]] = []
     tokens: list[float] = []
@@ -256,7 +257,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gradient-checkpointing", action="store_true", help="on for both (TRL's own default is on)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
-                    help="on for TRL only: TRL's out-of-the-box GRPOConfig (its default), actloop's default off")
+                    help="on for TRL only (TRL's default; actloop's default is on too, this flag leaves actloop off)")
     ap.add_argument("--mode", choices=["full", "lora", "both"], default="both")
     ap.add_argument("--only", choices=["actloop", "trl"], default=None)
     ap.add_argument("--repeats", type=int, default=1, help="back-to-back repeats of each pair")

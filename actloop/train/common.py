@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from actloop.monitor.metrics import JsonlSink, mean
 from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
 from actloop.train.evaluate import evaluate
-from actloop.train.optim import adamw
-from actloop.train.trainer import RunResult, make_run_dir, write_problems
+from actloop.train.optim import adamw, drop_state
+from actloop.train.trainer import RunResult, make_run_dir, setup_process, write_problems
 
 
 def eval_task(cfg: Config) -> LoadedTask:
@@ -49,18 +48,11 @@ def describe_eval(cfg: Config, task: LoadedTask) -> str:
     return f"{held} (data.path holds the training data; set data.eval_path to evaluate on your own rows)"
 
 
-def seed_everything(cfg: Config) -> None:
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-
-
 class Run:
     """One training run's plumbing; the trainers own the loop in between."""
 
     def __init__(self, cfg: Config, print_fn=print, need_reference: bool = False, task: LoadedTask | None = None):
-        seed_everything(cfg)
+        setup_process(cfg)
         self.cfg, self.print = cfg, print_fn
         self.task: LoadedTask = task if task is not None else eval_task(cfg)  # checked before the run directory exists
         self.run_dir: Path = make_run_dir(cfg)
@@ -111,7 +103,10 @@ class Run:
         self.step_seconds.append(seconds)
         self.trained_tokens += int(record.get("tokens", 0))
 
-    def finish(self) -> RunResult:
+    def finish(self, optimizer: torch.optim.Optimizer | None = None) -> RunResult:
+        """Summary, final evaluation, final/; `optimizer`'s state is dropped first (no step follows)."""
+        if optimizer is not None:
+            drop_state(optimizer)
         self.sink.close()
         self.summary["steps"] = len(self.step_seconds)
         self.summary["seconds_per_step"] = round(mean(self.step_seconds), 2)

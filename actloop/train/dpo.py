@@ -159,4 +159,4 @@ def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> Run
             bar.update(tid, advance=1, loss=m["loss"])
     if not pairs:
         print_fn("no preference pairs: nothing to train on (every group tied?)")
-    return run.finish()
+    return run.finish(optimizer)

@@ -17,14 +17,16 @@ the "packed" per-trajectory form the update uses for old / reference / engine lo
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from actloop.algos.routing import routing_disagreement
-from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache
+from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
 from actloop.models.routing import require_routing, routing_state
 from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache, use_bf16
+from actloop.rollout.kv import replayable_cache
 
 
 @dataclass
@@ -57,14 +59,32 @@ def set_checkpointing(backbone, on: bool) -> None:
         backbone.gradient_checkpointing_disable()
 
 
+@contextmanager
+def _keep_cache(backbone, on: bool):
+    """Let checkpointed decoder layers keep the cache they are given (transformers drops it unless
+    a layer declares `_can_checkpoint_with_cache`); for the replayable caches only. The replay in
+    the backward reuses the keywords the forward saw, so the flag is needed for the forward alone."""
+    layers = [m for m in backbone.modules() if on and hasattr(type(m), "_can_checkpoint_with_cache")
+              and "_can_checkpoint_with_cache" not in vars(m)]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._can_checkpoint_with_cache
+
+
 def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], precision: str = "auto",
                       share_prefix: bool = True, checkpointing: bool = False, routing=None, replay: bool = False):
     """Run the backbone; return (hidden [N, H] at positions predicting masked tokens, targets [N],
     selection (rows, cols) into [B, S], (B, S)).
 
     checkpointing=True recomputes each decoder layer in the backward. transformers drops the KV
-    cache inside a checkpointed layer (a replay would append to it twice), so the shared prefix
-    is not split off then: every row runs in full.
+    cache inside a checkpointed layer (a replay would append to it twice); the shared prefix then
+    runs through replayable caches (`actloop.rollout.kv.replayable_cache`: an `update` that
+    stores nothing twice), which the layers are told to keep. Sliding-window models (explicit
+    layer masks) run every row in full under checkpointing instead.
 
     routing: per row, the engine's top-k expert ids of each input position ([n_i, L, k], -1 =
     unknown), for MoE models. The trainer's routing is compared with it (the last element
@@ -75,7 +95,8 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
     device = next(backbone.parameters()).device
     B = len(seqs)
     set_checkpointing(backbone, checkpointing)
-    share_prefix = share_prefix and not (checkpointing and torch.is_grad_enabled()) and routing is None
+    recompute = checkpointing and torch.is_grad_enabled()  # the backward re-runs each layer
+    share_prefix = share_prefix and routing is None and not (recompute and uses_layer_masks(backbone))
     state = require_routing(backbone) if routing is not None else routing_state(backbone)
     P_row, prefixes, owner = prefix_plan(seqs, masks) if share_prefix else ([0] * B, [], [])
     Pmax = max((len(p) for p in prefixes), default=0)
@@ -118,16 +139,23 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
             masks_pre = layer_masks(backbone, pre_pos, pre_pos, pre_attn.to(device), mask_dtype(backbone))
             if masks_pre is not None:  # sliding-window layers: exact windows, every key kept
                 kw = {"attention_mask": masks_pre, cache_kwarg(backbone): uncropped_cache(backbone)}
-            cache = output_cache(backbone(input_ids=pre.to(device), use_cache=True, **kw))
+            if recompute:  # filled by the layers (a model may not return a cache under checkpointing)
+                kw[cache_kwarg(backbone)] = replayable_cache(backbone.config.num_hidden_layers)
+            with _keep_cache(backbone, recompute):
+                out = backbone(input_ids=pre.to(device), use_cache=True, **kw)
+            cache = kw[cache_kwarg(backbone)] if recompute else output_cache(out)
             if len(prefixes) == 1:
                 cache.batch_repeat_interleave(B)
             else:
                 cache.batch_select_indices(torch.tensor(owner, device=device))
+            if recompute:  # what follows reads the prefix without storing into it
+                cache = replayable_cache(backbone.config.num_hidden_layers, cache)
         k_pos = torch.cat([torch.arange(Pmax, device=device).expand(B, Pmax), pos], dim=1)  # [B, Pmax + S]
         masks_all = layer_masks(backbone, pos, k_pos, attn, mask_dtype(backbone))
-        hidden = backbone(input_ids=ids, attention_mask=attn if masks_all is None else masks_all, position_ids=pos,
-                          use_cache=cache is not None,
-                          **{cache_kwarg(backbone): cache}).last_hidden_state  # [B, S, H]
+        with _keep_cache(backbone, recompute and cache is not None):
+            hidden = backbone(input_ids=ids, attention_mask=attn if masks_all is None else masks_all, position_ids=pos,
+                              use_cache=cache is not None,
+                              **{cache_kwarg(backbone): cache}).last_hidden_state  # [B, S, H]
     disagreement = None
     if engine_routing is not None:
         used = torch.stack([state.used[i] for i in range(state.num_layers)], 1).cpu().view(B, S, state.num_layers, -1)

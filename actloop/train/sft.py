@@ -113,5 +113,5 @@ def train_sft(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
             run.log({"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)},
                     timer())
             bar.update(tid, advance=1, loss=m["loss"])
-    return run.finish()
+    return run.finish(optimizer)
 

@@ -37,10 +37,10 @@ from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import component_means, evaluate, run_batched
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
-from actloop.train.memory import PhasePeaks
+from actloop.train.memory import PhasePeaks, set_mmap_threshold
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
-from actloop.train.optim import adamw
+from actloop.train.optim import adamw, drop_state
 from actloop.train.preference import preference_update
 from actloop.train.update import UpdateContext, rl_update
 from actloop.types import Scored
@@ -252,11 +252,17 @@ def usage_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, 
     return rec
 
 
-def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
+def setup_process(cfg: Config) -> None:
+    """What every trainer sets first: seeds, torch threads, glibc's mmap threshold."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    set_mmap_threshold(cfg.train.mmap_threshold_mb)
+
+
+def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
+    setup_process(cfg)
     dist = init_distributed(cfg)  # torchrun: this rank's place; one process: a no-op (docs/distributed.md)
     print_fn, progress = dist.printer(print_fn), progress and dist.is_main  # rank 0 alone prints and writes
     # config, reward functions and data checked before a run directory exists (agent.entry: agent code behind
@@ -486,6 +492,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         print_fn(f"no checkpoint of the last step {last} (checkpoint.at_end=false)"
                  + ("; final/ holds the trained model" if cfg.train.save_final else "")
                  + "; to extend a run later with resume=, train it with checkpoint.at_end=true")
+    drop_state(optimizer)  # no step follows (the at-end checkpoint is written): AdamW's moments are not held
     if cfg.train.eval_after and task.eval_rows:
         run_eval("eval_after")
     if cfg.train.save_final:

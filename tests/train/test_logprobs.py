@@ -140,3 +140,31 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         else model.model.is_activation_checkpointing
     for n in plain:
         assert torch.allclose(plain[n], ckpt[n], atol=1e-5), n
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_checkpointing_keeps_the_shared_prefix_with_exact_gradients(groups):
+    """Under checkpointing the prompt prefix still runs once (replayable caches, rollout/kv.py):
+    the embedding sees the prefix plus the suffixes, not every full row, and the gradients equal
+    the plain path's (one prefix for all rows, and one per prompt)."""
+    from actloop.train.logprobs import token_logprobs
+
+    model = tiny_llama()
+    model.train()
+    seqs, masks = rows_of_two_groups()
+    if groups == 1:
+        seqs, masks = seqs[:3], masks[:3]
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+
+    def grads(ckpt):
+        model.zero_grad()
+        seen.clear()
+        out = token_logprobs(model, seqs, masks, 1.0, "fp32", chunk=4, checkpointing=ckpt)
+        (out.logp * out.mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, sum(seen)
+
+    (plain, n_plain), (ckpt, n_ckpt) = grads(False), grads(True)
+    assert n_ckpt == n_plain < sum(len(s) - 1 for s in seqs)  # the prefix ran once, as without checkpointing
+    for n in plain:
+        assert torch.allclose(plain[n], ckpt[n], atol=1e-5), n

@@ -27,3 +27,37 @@ def test_each_phase_sees_its_own_freed_allocation_and_not_the_others():
     assert m["peak_mem_mb/update"] < m["peak_mem_mb/rollout"] - 200, m
     assert m["peak_mem_mb"] == m["peak_mem_mb/rollout"]
     assert peaks.step == {} and peaks.run["rollout"] == m["peak_mem_mb/rollout"]  # the run keeps each phase's peak
+
+
+_FRAGMENT = """
+import sys, torch
+from actloop.train.memory import set_mmap_threshold
+def rss():
+    return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) // 1024
+if sys.argv[1] == "fixed":
+    assert set_mmap_threshold(1.0)
+x = torch.ones(5 * 2**20)  # 20 MiB, freed: glibc's own threshold rises past it (when not fixed)
+del x
+base = rss()
+blocks = [torch.ones(2**21) for _ in range(40)]  # 40 x 8 MiB, touched
+last = blocks[-1]
+del blocks  # all freed but the last one
+print(rss() - base)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_a_fixed_mmap_threshold_returns_freed_tensors_below_the_heap_top():
+    """The rollout's pattern: many multi-MiB tensors freed while a later one lives. With glibc's
+    dynamic threshold they came from the heap and stay mapped; with the threshold fixed at 1 MiB
+    each had its own mapping and went back to the OS."""
+    import subprocess
+    import sys
+
+    from actloop.train.memory import set_mmap_threshold
+
+    if not set_mmap_threshold(1.0):
+        pytest.skip("no glibc mallopt here")
+    kept = {mode: int(subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True,
+                                     check=True).stdout.split()[-1]) for mode in ("dynamic", "fixed")}
+    assert kept["dynamic"] > 200 and kept["fixed"] < 60, kept

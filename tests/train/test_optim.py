@@ -22,3 +22,15 @@ def test_tensors_without_the_fused_kernel_take_the_loop():
         opt = adamw([{"params": [torch.nn.Parameter(t)]}], 1e-3, 0.0)
         assert not opt.defaults.get("fused")
     assert adamw([{"params": [torch.nn.Parameter(torch.randn(4))]}], 1e-3, 0.0).defaults["fused"] is True
+
+
+def test_drop_state_frees_the_moments_and_gradients():
+    from actloop.train.optim import drop_state
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    opt = adamw([p], 1e-2, 0.0)
+    p.grad = torch.randn(8, 4)
+    opt.step()
+    assert set(opt.state[p]) >= {"exp_avg", "exp_avg_sq"}
+    drop_state(opt)
+    assert len(opt.state) == 0 and p.grad is None
