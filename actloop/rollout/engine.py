@@ -271,6 +271,7 @@ class HFEngine(EngineBase):
             for p in self.model.parameters():
                 p.requires_grad_(False)
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
+        self.asleep = False  # sleep() released the copy's storage
         self._cache_kw = cache_kwarg(self.model)
         self._layer_masks = uses_layer_masks(self.model)  # sliding-window layers: masks from positions
         self._routing = install_routing(self.model)  # MoE: record each position's experts (routing replay)
@@ -288,12 +289,34 @@ class HFEngine(EngineBase):
         self.prefix_cache.clear()
         if self.weights == "live":
             return
+        self.wake()
         src = merged_state_dict(model)
         for name, t in self.model.state_dict().items():
             t.copy_(src[name])
 
     def sleep(self) -> None:
-        self.prefix_cache.clear()  # the update is about to change the weights the entries came from
+        """Before an update: the prefix cache goes (its entries come from the weights about to
+        change) and so does the storage of the bf16 copy (270 MB for the 135M model), which the
+        update's peak need not hold; `sync_weights` brings it back with the new weights."""
+        self.prefix_cache.clear()
+        if self.weights == "copy" and not self.asleep:
+            for t in self.model.state_dict().values():
+                t.untyped_storage().resize_(0)
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Re-allocate a sleeping copy's storage (its values are undefined until `sync_weights`
+        copies weights in: that is the caller that wakes it)."""
+        if self.asleep:
+            for t in self.model.state_dict().values():
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0:  # tied weights share one storage
+                    storage.resize_(t.numel() * t.element_size())
+            self.asleep = False
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the engine's weight copy was released by sleep(): sync_weights(model) first")
 
     def close(self) -> None:
         if self._thread is not None:
@@ -324,6 +347,7 @@ class HFEngine(EngineBase):
         return out
 
     def _submit(self, reqs: list[tuple[list[int], SamplingParams]]) -> list[Future]:
+        self._check_awake()
         for p, _ in reqs:
             if not p:
                 raise ValueError("an empty prompt: nothing to continue")
@@ -350,6 +374,7 @@ class HFEngine(EngineBase):
                               **{self._cache_kw: cache})
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self._check_awake()
         was_training = self.model.training
         self.model.eval()
         try:

@@ -210,6 +210,7 @@ class Dist:
         src = self.full_state_dict(model)
         if engine.weights == "live":
             raise ConfigError("an FSDP-sharded policy cannot be sampled live; the engine needs weights='copy'")
+        engine.wake()  # a sleeping HF copy: its storage back before the copy
         for name, t in engine.model.state_dict().items():
             t.copy_(src[name])
 

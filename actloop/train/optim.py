@@ -8,6 +8,7 @@ parameters, or a device without the kernel, take the default loop.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -23,11 +24,68 @@ def fusable(tensors: list[torch.Tensor]) -> bool:
                for t in tensors)
 
 
-def adamw(params: Any, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.Optimizer:
-    """`params`: tensors or param-group dicts, as for torch.optim.AdamW."""
+def adamw(params: Any, lr: float, weight_decay: float, fused: bool = True,
+          momentum_dtype: str = "fp32") -> torch.optim.Optimizer:
+    """`params`: tensors or param-group dicts, as for torch.optim.AdamW. momentum_dtype="bf16":
+    `AdamWBf16Momentum` (the first moment in bf16, half its memory)."""
     params = list(params)
+    if momentum_dtype == "bf16":
+        return AdamWBf16Momentum(params, lr=lr, weight_decay=weight_decay)
+    if momentum_dtype != "fp32":
+        raise ValueError(f"momentum_dtype must be fp32 or bf16, not {momentum_dtype!r}")
     tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=bool(fused and fusable(tensors)) or None)
+
+
+class AdamWBf16Momentum(torch.optim.Optimizer):
+    """AdamW (Loshchilov & Hutter 2019, decoupled weight decay; torch.optim.AdamW's update) with
+    the first moment stored in bf16 and the second in fp32, over fp32 parameters.
+
+    Per step t, for a parameter p with gradient g (every tensor the shape of p):
+        m = beta1 * m + (1 - beta1) * g            # computed in fp32, stored rounded to bf16
+        v = beta2 * v + (1 - beta2) * g * g        # fp32
+        p = p * (1 - lr * wd) - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
+    Why only m: with beta1 = 0.9 the EMA moves by 10% of its value a step, far above bf16's
+    rounding (2^-8 = 0.4% relative), so rounding only adds 0.4% noise to each step's direction;
+    with beta2 = 0.999, v moves by 0.1% a step, which bf16 would round away entirely (the second
+    moment would stop following the gradients). Saves 2 bytes per parameter: 269 MB for the 135M
+    model, out of AdamW's 1076. Steps each tensor in turn (no fused kernel: ~0.3 s a step more for
+    135M parameters on this CPU)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                if state["exp_avg"].dtype != torch.bfloat16:  # a resumed state_dict comes back in p's dtype
+                    state["exp_avg"] = state["exp_avg"].to(torch.bfloat16)
+                state["step"] += 1
+                t = float(state["step"])
+                g = p.grad.float()
+                m = state["exp_avg"].float().lerp_(g, 1 - b1)  # [p] fp32 for this step
+                state["exp_avg"].copy_(m)
+                v = state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                if wd:
+                    p.mul_(1 - lr * wd)
+                # m / (sqrt(v / bc2) + eps) = sqrt(bc2) * m / (sqrt(v) + eps * sqrt(bc2)): one pass fewer
+                root_bc2 = math.sqrt(1 - b2**t)
+                p.addcdiv_(m, v.sqrt().add_(eps * root_bc2), value=-lr * root_bc2 / (1 - b1**t))
+        return loss
 
 
 def drop_state(optimizer: torch.optim.Optimizer) -> None:

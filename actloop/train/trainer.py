@@ -297,7 +297,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
     if critic is not None:
         param_groups.append({"params": list(critic.parameters()), "lr": cfg.ppo.critic_lr})
-    optimizer = adamw(param_groups, cfg.train.lr, cfg.train.weight_decay, fused=not dist.active)
+    optimizer = adamw(param_groups, cfg.train.lr, cfg.train.weight_decay, fused=not dist.active,
+                      momentum_dtype=cfg.train.adam_momentum_dtype)
     # IS correction is on by default when the engine samples from its own copy of the weights
     correction = cfg.correction.mode
     if correction == "auto":

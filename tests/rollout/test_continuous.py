@@ -103,3 +103,31 @@ def test_prefix_cache_lookup_and_eviction():
     assert cache.lookup([7, 1])[0] == 0
     cache.put([5, 5, 5, 5, 5], kv(5))  # 12 tokens > 10: the least recently used goes
     assert cache.tokens <= 10 and (1, 2, 9) not in cache.entries
+
+
+def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():
+    """The trainer sleeps the engine before each update: the bf16/fp32 copy's storage is freed
+    (the update's peak does not hold it), sampling then is a clear error, and sync_weights
+    re-allocates it with the policy's (changed) weights."""
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy")
+    try:
+        greedy = SamplingParams(max_new_tokens=6, greedy=True)
+        before = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+        engine.sleep()
+        assert all(t.untyped_storage().nbytes() == 0 for t in engine.model.state_dict().values())
+        try:
+            engine.generate([[5, 6, 7]], greedy)
+            raise AssertionError("a sleeping engine sampled")
+        except RuntimeError as e:
+            assert "sync_weights" in str(e)
+        with torch.no_grad():  # the "update": the policy changes while the copy sleeps
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        engine.sync_weights(model)
+        fresh = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy")
+        after = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+        assert after == fresh.generate([[5, 6, 7]], greedy)[0].token_ids and after != before
+        fresh.close()
+    finally:
+        engine.close()
