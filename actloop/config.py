@@ -221,12 +221,15 @@ class TrainConfig:
         True, "After each phase (model load, evaluation, rollout, update, checkpoint) hand freed C-heap memory back "
         "to the OS (glibc malloc_trim): otherwise the RSS stays near one phase's peak and the next phase's adds to it.")
     adam_momentum_dtype: str = opt(
-        "bf16", "Storage of AdamW's first moment: `bf16` (half its memory, 269 MB less for the 135M model; the "
-        "second moment stays fp32: actloop.train.optim.AdamWBf16Momentum) or `fp32` (torch's fused AdamW).")
+        "fp32", "Storage of AdamW's first moment: `fp32` (torch's fused AdamW) or `bf16` (half its memory, 269 MB "
+        "less for the 135M model, the second moment stays fp32: actloop.train.optim.AdamWBf16Momentum; +0.4 s a "
+        "step; one demo run with it reached +27 points against +49-53 with fp32: not the default until measured "
+        "over seeds).")
     mmap_threshold_mb: float = opt(
-        1.0, "C-heap allocations of at least this many MiB get their own mapping, returned to the OS when freed "
-        "(glibc mallopt M_MMAP_THRESHOLD; 0 = glibc's default, which rises to 32 MiB and lets freed KV caches and "
-        "activations pile up in the heap: the demo's rollout held ~0.7 GB more).")
+        0.0, "C-heap allocations of at least this many MiB get their own mapping, returned to the OS when freed "
+        "(glibc mallopt M_MMAP_THRESHOLD; 0 = glibc's default, which rises to 32 MiB). 1.0 took ~250 MB off the "
+        "demo's rollout peak but cost ~15% of the rollout's and the update's time in page faults "
+        "(docs/performance.md).")
     max_tokens_per_microbatch: int = opt(
         4096, "Token budget of one forward/backward pass: a micro-batch holds at most this many padded tokens "
         "(trajectories x the longest's length) as well as at most train.micro_batch_size trajectories; bounds the "
