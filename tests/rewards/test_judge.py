@@ -36,6 +36,7 @@ class ScriptedServer:
                     server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    counted = True
                     n = len(server.requests)
                 try:
                     reply = server.script(body) if callable(server.script) else server.script[min(n, len(server.script)) - 1]
@@ -58,12 +59,16 @@ class ScriptedServer:
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
+                    with server.lock:  # done before the client can read it (and send its next request)
+                        server.in_flight -= 1
+                        counted = False
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    if counted:
+                        with server.lock:
+                            server.in_flight -= 1
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
