@@ -606,9 +606,8 @@ class _Row:
 def _layers_of(cache: Any, row: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One row's keys and values per layer ([1, H, S, D] each), left padding dropped: views into one
     [2 x layers, 1, H, S, D] block where every layer has the same shape. One allocation per entry
-    instead of 2 x layers small ones (60 of ~170 KB for SmolLM2): the block gets its own mapping
-    (train.mmap_threshold_mb) and goes back to the OS when the entry is dropped, instead of leaving
-    holes in the C heap."""
+    instead of 2 x layers small ones (60 of ~170 KB for SmolLM2), freed whole when the entry is
+    dropped."""
     keys = [layer.keys[row : row + 1, :, pad:] for layer in cache.layers]
     values = [layer.values[row : row + 1, :, pad:] for layer in cache.layers]
     if len({(t.shape, t.dtype) for t in keys + values}) != 1:  # layers of different shapes: one copy each
@@ -651,15 +650,13 @@ class _Batch:
         lens = [cache.layers[0].keys.shape[2] for _, cache in new]
         S = self.mask.shape[1] if self.rows else 0
         L = max([S, *lens])
-        if not self.rows:  # the first row's cache becomes the batch's (decode steps write in place: rollout/kv.py)
+        had_rows = bool(self.rows)
+        if not had_rows:  # the first row's cache becomes the batch's (decode steps write in place: rollout/kv.py)
             self.cache = with_slack(new[0][1])
             self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
-            olds = [None] * len(self.cache.layers)
-        else:
-            olds = [(layer.keys, layer.values) for layer in self.cache.layers]
         for i, layer in enumerate(self.cache.layers):
-            keys = [_left_pad(olds[i][0], L - S)] if olds[i] is not None else []
-            values = [_left_pad(olds[i][1], L - S)] if olds[i] is not None else []
+            keys = [_left_pad(layer.keys, L - S)] if had_rows else []
+            values = [_left_pad(layer.values, L - S)] if had_rows else []
             for (_, cache), s in zip(new, lens):
                 keys.append(_left_pad(cache.layers[i].keys, L - s))
                 values.append(_left_pad(cache.layers[i].values, L - s))

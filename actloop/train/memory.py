@@ -68,8 +68,10 @@ def set_mmap_threshold(mib: float) -> bool:
     then on a rollout's KV tensors and an update's activations come from the heap, whose freed
     holes the next, slightly larger tensor does not fit, so the footprint ran far above the live
     tensors. Measured on the demo's rollout of 32 episodes: 1.3-1.4 GB over the baseline at its end
-    with 0.36 GB of tensors alive (the prefix cache), 0.6-0.7 GB with a 1 MiB threshold, in the
-    same time (docs/performance.md). False where there is no glibc, or `mib` is 0."""
+    with 0.36 GB of tensors alive (the prefix cache), 0.6-0.9 GB with a 1 MiB threshold, and the
+    peak ~250 MB lower; but each large allocation then faults in fresh pages: ~15% more time in the
+    rollout and in the update (docs/performance.md), hence off by default. False where there is no
+    glibc, or `mib` is 0."""
     if mib <= 0:
         return False
     try:
