@@ -121,7 +121,8 @@ def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
         "rollout.top_p=1.0", f"train.steps={a.steps}", f"train.prompts_per_step={a.prompts}",
         f"train.group_size={a.group}", f"train.lr={a.lr}", f"train.beta={a.beta}", "train.loss_agg=seq_mean",
         "train.adv_scale=group", "train.epochs=1", "train.minibatch_size=0", "train.weight_decay=0.0",
-        "train.max_grad_norm=1.0", "train.warmup_steps=0", f"train.precision={a.precision}",
+        "train.max_grad_norm=1.0", "train.warmup_steps=0", "train.optimizer=adamw",  # fp32 moments, as TRL's
+        f"train.precision={a.precision}",
         f"train.threads={a.threads}", "train.eval_before=false", "train.eval_after=false", "train.save_final=false",
         f"lora.enabled={str(a.mode == 'lora').lower()}", f"seed={a.seed}", f"output_dir={out_dir}", "run_name=actloop",
         f"train.gradient_checkpointing={str(bool(a.gradient_checkpointing)).lower()}",  # both frameworks alike

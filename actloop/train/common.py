@@ -75,7 +75,7 @@ class Run:
     def optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
         t = self.cfg.train
         params = [p for p in self.models.policy.parameters() if p.requires_grad]
-        opt = adamw(params, t.lr, t.weight_decay, momentum_dtype=t.adam_momentum_dtype)
+        opt = adamw(params, t.lr, t.weight_decay, kind=t.optimizer)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / t.warmup_steps) if t.warmup_steps else 1.0)
         return opt, sched

@@ -53,7 +53,12 @@ def set_checkpointing(backbone, on: bool) -> None:
         "is_gradient_checkpointing"
     if bool(getattr(backbone, flag, False)) == on:
         return
-    if on:
+    if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.2's names
+        if on:
+            backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            backbone.activation_checkpointing_disable()
+    elif on:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         backbone.gradient_checkpointing_disable()

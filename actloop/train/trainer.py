@@ -298,7 +298,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     if critic is not None:
         param_groups.append({"params": list(critic.parameters()), "lr": cfg.ppo.critic_lr})
     optimizer = adamw(param_groups, cfg.train.lr, cfg.train.weight_decay, fused=not dist.active,
-                      momentum_dtype=cfg.train.adam_momentum_dtype)
+                      kind=cfg.train.optimizer)
     # IS correction is on by default when the engine samples from its own copy of the weights
     correction = cfg.correction.mode
     if correction == "auto":
