@@ -4,6 +4,12 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest-xdist workers on the 2 cores: one torch thread each (and in the
+    # training subprocesses the tests start), or the two oversubscribe the cores
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("ACTLOOP_SHARED_DATA", ROOT.parent / "shared" / "data"))
 

@@ -13,6 +13,7 @@ ORDER = ["types", "algos", "config", "sandbox", "models", "rewards", "envs", "da
 OPTIONAL = {
     ("actloop/rollout/factory.py", "actloop.rollout.vllm_engine"): "rollout.engine=vllm needs the vllm extra",
     ("actloop/rollout/factory.py", "actloop.rollout.ray_engine"): "rollout.engine=ray needs the ray extra",
+    ("actloop/train/optim.py", "actloop.train.optim8bit"): "train.optimizer=adamw_8bit: bitsandbytes costs 2 s to import",
 }
 
 
