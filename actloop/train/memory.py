@@ -80,6 +80,28 @@ def set_mmap_threshold(mib: float) -> bool:
         return False
 
 
+GLIBC_MMAP_THRESHOLD_MAX_MIB = 32.0  # where glibc's own threshold ends up once large blocks were freed (64-bit)
+
+
+@contextmanager
+def mmap_threshold(mib: float, after_mib: float = GLIBC_MMAP_THRESHOLD_MAX_MIB):
+    """`set_mmap_threshold(mib)` for the block, then `after_mib` (0 = mib, leave it; `after_mib`
+    is where glibc's dynamic threshold sits after a phase has freed large blocks, so the other
+    phases keep the allocation pattern that is fast for them). Used around the update
+    (train.update_mmap_threshold_mb): measured on demo-like runs with 8-bit AdamW, the update's
+    peak fell from 3.0-3.1 GB to 2.3-2.4 GB with 1 MiB; the update's large tensors then fault in
+    fresh pages (~15% of its time, docs/performance.md). A no-op for mib = 0."""
+    if mib <= 0:
+        yield
+        return
+    set_mmap_threshold(mib)
+    try:
+        yield
+    finally:
+        if after_mib > 0:
+            set_mmap_threshold(after_mib)
+
+
 class PhasePeaks:
     """`with peaks("rollout"): ...` records the peak RSS (MiB) of that phase; `step_metrics()`
     returns this step's phases and starts the next step; `run` keeps each phase's peak over the

@@ -37,7 +37,7 @@ from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import component_means, evaluate, run_batched
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
-from actloop.train.memory import PhasePeaks, set_mmap_threshold
+from actloop.train.memory import PhasePeaks, mmap_threshold, set_mmap_threshold
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
 from actloop.train.optim import adamw, drop_state
@@ -384,6 +384,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     if state is not None:  # last: the generators continue exactly where the checkpoint left them
         checkpoint.set_rng_state(state["rng"])
 
+    # the update's own glibc mmap threshold, unless train.mmap_threshold_mb fixed one for the process
+    update_mmap_mb = 0.0 if cfg.train.mmap_threshold_mb else cfg.train.update_mmap_threshold_mb
     bar = _progress(cfg.train.steps, progress)
     stop_msg, requested, last = None, None, start - 1
     with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar:
@@ -399,7 +401,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
             #    failed trajectories are masked (a step with nothing valid trains nothing)
             engine.sleep()  # a colocated vLLM frees its GPU memory for the update (a no-op elsewhere)
-            with peaks("update"):
+            with peaks("update"), mmap_threshold(update_mmap_mb):
                 upd = update_step(ctx, scored, cfg.train.group_size)  # rl_update, or online DPO's preference update
                 with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)

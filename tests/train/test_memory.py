@@ -61,3 +61,40 @@ def test_a_fixed_mmap_threshold_returns_freed_tensors_below_the_heap_top():
     kept = {mode: int(subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True,
                                      check=True).stdout.split()[-1]) for mode in ("dynamic", "fixed")}
     assert kept["dynamic"] > 200 and kept["fixed"] < 60, kept
+
+
+_SCOPED = """
+import torch
+from actloop.train.memory import mmap_threshold
+def rss():
+    return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) // 1024
+def fragment():
+    base = rss()
+    blocks = [torch.ones(2**21) for _ in range(40)]  # 40 x 8 MiB, touched
+    last = blocks[-1]
+    del blocks  # all freed but the last one
+    kept = rss() - base
+    del last
+    return kept
+x = torch.ones(5 * 2**20)  # 20 MiB, freed: glibc's own threshold rises past it
+del x
+with mmap_threshold(1.0):
+    inside = fragment()
+print(inside, fragment())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_the_update_threshold_holds_inside_its_block_only():
+    """train.update_mmap_threshold_mb: inside the block, freed multi-MiB tensors go back to the OS;
+    after it, the threshold is glibc's settled 32 MiB again and 8 MiB tensors come from the heap."""
+    import subprocess
+    import sys
+
+    from actloop.train.memory import set_mmap_threshold
+
+    if not set_mmap_threshold(32.0):
+        pytest.skip("no glibc mallopt here")
+    out = subprocess.run([sys.executable, "-c", _SCOPED], capture_output=True, text=True, check=True).stdout
+    inside, after = (int(v) for v in out.split()[-2:])
+    assert inside < 60 and after > 200, (inside, after)
