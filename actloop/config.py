@@ -235,7 +235,9 @@ class TrainConfig:
         1.0, "During each update, C-heap allocations of at least this many MiB get their own mapping (glibc "
         "mallopt M_MMAP_THRESHOLD; back to 32 MiB, where glibc's own threshold settles, afterwards; 0 = leave it): "
         "the update's freed activations otherwise stay as heap holes the next tensor does not fit. On demo-like runs "
-        "with 8-bit AdamW the update's peak fell by ~0.7 GB for ~15% more update time (docs/performance.md); "
+        "with 8-bit AdamW the update's peak fell by 0.4-0.7 GB, and `make demo` peaked at 3.73 GB instead of 4.22, "
+        "but the update's page faults cost 15% of its time alone and 40-60% with other jobs on the cores "
+        "(docs/performance.md); 4 MiB saved nothing. 0 trades the memory back for speed; "
         "train.mmap_threshold_mb, when set, fixes the threshold for the whole process instead.")
     max_tokens_per_microbatch: int = opt(
         4096, "Token budget of one forward/backward pass: a micro-batch holds at most this many padded tokens "

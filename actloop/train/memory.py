@@ -89,8 +89,9 @@ def mmap_threshold(mib: float, after_mib: float = GLIBC_MMAP_THRESHOLD_MAX_MIB):
     is where glibc's dynamic threshold sits after a phase has freed large blocks, so the other
     phases keep the allocation pattern that is fast for them). Used around the update
     (train.update_mmap_threshold_mb): measured on demo-like runs with 8-bit AdamW, the update's
-    peak fell from 3.0-3.1 GB to 2.3-2.4 GB with 1 MiB; the update's large tensors then fault in
-    fresh pages (~15% of its time, docs/performance.md). A no-op for mib = 0."""
+    peak fell by 0.4-0.7 GB with 1 MiB (4 MiB: nothing); the update's tensors then fault in fresh
+    pages: 15% of its time alone, 40-60% with other jobs on the 2 cores (docs/performance.md).
+    A no-op for mib = 0."""
     if mib <= 0:
         yield
         return
