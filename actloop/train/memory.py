@@ -84,10 +84,10 @@ GLIBC_MMAP_THRESHOLD_MAX_MIB = 32.0  # where glibc's own threshold ends up once 
 
 
 @contextmanager
-def mmap_threshold(mib: float, after_mib: float = GLIBC_MMAP_THRESHOLD_MAX_MIB):
-    """`set_mmap_threshold(mib)` for the block, then `after_mib` (0 = mib, leave it; `after_mib`
-    is where glibc's dynamic threshold sits after a phase has freed large blocks, so the other
-    phases keep the allocation pattern that is fast for them). Used around the update
+def mmap_threshold(mib: float):
+    """`set_mmap_threshold(mib)` for the block, then GLIBC_MMAP_THRESHOLD_MAX_MIB, where glibc's
+    dynamic threshold sits once a phase has freed large blocks, so the other phases keep the
+    allocation pattern that is fast for them. Used around the update
     (train.update_mmap_threshold_mb): measured on demo-like runs with 8-bit AdamW, the update's
     peak fell by 0.4-0.7 GB with 1 MiB (4 MiB: nothing); the update's tensors then fault in fresh
     pages: 15% of its time alone, 40-60% with other jobs on the 2 cores (docs/performance.md).
@@ -99,8 +99,7 @@ def mmap_threshold(mib: float, after_mib: float = GLIBC_MMAP_THRESHOLD_MAX_MIB):
     try:
         yield
     finally:
-        if after_mib > 0:
-            set_mmap_threshold(after_mib)
+        set_mmap_threshold(GLIBC_MMAP_THRESHOLD_MAX_MIB)
 
 
 class PhasePeaks:

@@ -3,8 +3,8 @@ Quantization", arXiv:2110.02861) on bitsandbytes' kernels, stepped in chunks on 
 
 bitsandbytes' CPU step de-quantizes a whole tensor's two moments to fp32, copies its gradient and
 builds the denominator before re-quantizing: for the 135M model's 28M-value embedding that is
-~0.5 GB of fp32 temporaries, and it was the demo's update peak (3.3 GB at the optimizer step
-against 2.7-2.9 GB in the backward; docs/performance.md). The quantization blocks are 256 values
+~0.5 GB of fp32 temporaries, and it held the demo's update peak (3.25-3.86 GB at the optimizer
+step against 2.84-3.68 GB in the backward; docs/performance.md). The quantization blocks are 256 values
 each, independent of one another, so stepping a tensor's flat values in chunks of whole blocks
 gives bit-identical moments and parameters (`tests/train/test_optim.py`) with temporaries of one
 chunk. CUDA keeps bitsandbytes' own fused kernel (no fp32 temporaries), unchunked.

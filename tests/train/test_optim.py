@@ -130,3 +130,14 @@ def test_8bit_adamw_chunked_cpu_step_is_bit_identical_to_bitsandbytes(monkeypatc
     for k in ("state1", "state2", "absmax1", "absmax2"):
         assert torch.equal(ours.state[a][k], ref.state[b][k]), k
     assert int(ours.state[a]["step"]) == int(ref.state[b]["step"]) == 5
+
+
+def test_auto_takes_8bit_moments_for_plain_tensors_and_fp32_elsewhere():
+    """train.optimizer=auto: bitsandbytes' 8-bit AdamW where it can step the tensors, torch's
+    AdamW otherwise (here a meta tensor stands for a device bitsandbytes cannot step)."""
+    pytest.importorskip("bitsandbytes")
+    from actloop.train.optim8bit import AdamW8bit
+
+    assert isinstance(adamw([torch.nn.Parameter(torch.randn(4))], 1e-3, 0.0, kind="auto"), AdamW8bit)
+    other = adamw([torch.nn.Parameter(torch.randn(4, device="meta"))], 1e-3, 0.0, kind="auto")
+    assert type(other) is torch.optim.AdamW
