@@ -270,7 +270,10 @@ class TrainConfig:
     overlong_penalty: float = opt(1.0, "Penalty at the limit for the soft overlong shaping.")
     mask_truncated: bool = opt(False, "Leave completions cut off at max_new_tokens out of the loss.")
     precision: str = opt(
-        "auto", "`auto` (bf16 autocast where supported), `bf16` or `fp32`. Master weights stay fp32."
+        "auto",
+        "`auto` (bf16 autocast where the hardware computes bf16 natively: CUDA with bf16, CPUs with AVX-512 / AMX "
+        "or Arm BF16; fp32 elsewhere, e.g. AVX2-only CPUs, where bf16 matmuls are emulated and 2-9x slower), "
+        "`bf16` or `fp32`. Master weights stay fp32.",
     )
     eval_before: bool = opt(True, "Evaluate greedy success on the held-out split before training.")
     eval_after: bool = opt(True, "Evaluate greedy success on the held-out split after training.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import functools
 import queue
 import threading
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ import torch
 from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
 from actloop.models.routing import RoutingTrace, install_routing
 from actloop.rollout.kv import SlackLayer, with_slack
+from actloop.rollout.small_matmul import use_small_batch_linears
 
 
 @dataclass(frozen=True)
@@ -144,12 +146,29 @@ class EngineBase:
                         r[2].set_exception(e)
 
 
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively: oneDNN's own check (AVX-512 on x86, with
+    AVX512-BF16 / AMX the fastest; the BF16 extension on Arm). An AVX2-only CPU (AMD Zen 2/3, most
+    laptops before 2022) emulates them: measured on a 2-core AMD EPYC (Zen 3, AVX2), 2 threads,
+    a [M, 576] x [576, 1536] matmul is 2.0x slower in bf16 than in fp32 at M = 8, 5.5x at M = 32,
+    8.7x at M = 700 (docs/performance.md has the training step)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
 def use_bf16(precision: str) -> bool:
+    """`train.precision`: fp32, bf16, or auto = bf16 where the hardware computes it natively (a CUDA
+    GPU with bf16, a CPU that `cpu_has_fast_bf16`), fp32 elsewhere."""
     if precision == "fp32":
         return False
     if precision == "bf16":
         return True
-    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_has_fast_bf16()
 
 
 def autocast_context(precision: str):
@@ -235,7 +254,11 @@ class HFEngine(EngineBase):
     the engine's log-probs then differ slightly from the trainer's (the mismatch the
     importance-sampling correction measures). A LoRA (peft) policy is copied with its adapter
     merged into plain weights (W + scale * B A), re-merged at each sync, so decode pays neither
-    the adapter's extra matmuls nor autocast's casts of the frozen base weights.
+    the adapter's extra matmuls nor autocast's casts of the frozen base weights. An fp32 copy of a
+    plain policy (`train.precision` fp32, or auto on a CPU without native bf16) would equal the
+    trainer's weights: with `share_weights` its modules hold the trainer's own tensors (no second
+    copy in memory, `sync_weights` has nothing to copy, `sleep` frees nothing). fp32 copies decode
+    through `SmallBatchLinear` (`rollout/small_matmul.py`).
     weights="live" samples from the trainer's module itself (exactness in tests).
 
     Continuous batching: one decode thread owns the model. `submit(prompt, params)` queues a
@@ -254,7 +277,7 @@ class HFEngine(EngineBase):
 
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: tuple[int, ...], stop_strings=(),
                  precision: str = "auto", weights: Literal["copy", "live"] = "copy", max_batch: int = 128,
-                 prefix_cache_tokens: int = 16384):
+                 prefix_cache_tokens: int = 16384, share_weights: bool = True):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
@@ -262,14 +285,23 @@ class HFEngine(EngineBase):
         self.max_batch = max_batch
         self.weights = weights
         self.model = model
+        # an fp32 copy of a plain (not LoRA) policy would hold exactly the trainer's weights: its modules
+        # share the trainer's tensors instead (no second 0.5 GB for the 135M model, nothing to sync)
+        self.shared = weights == "copy" and share_weights and not is_peft(model) and not use_bf16(precision)
         if weights == "copy":
-            self.model = copy.deepcopy(model).eval()
-            if is_peft(self.model):
-                self.model = self.model.merge_and_unload()
-            if use_bf16(precision):
-                self.model.to(torch.bfloat16)
-            for p in self.model.parameters():
-                p.requires_grad_(False)
+            if self.shared:  # own modules (eval mode, small-batch linears) over the same parameters
+                memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+                self.model = copy.deepcopy(model, memo).eval()
+            else:
+                self.model = copy.deepcopy(model).eval()
+                if is_peft(self.model):
+                    self.model = self.model.merge_and_unload()
+                if use_bf16(precision):
+                    self.model.to(torch.bfloat16)
+                for p in self.model.parameters():
+                    p.requires_grad_(False)
+            if not use_bf16(precision):
+                use_small_batch_linears(self.model)  # fp32 decode on the CPU: rollout/small_matmul.py
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
         self.asleep = False  # sleep() released the copy's storage
         self._cache_kw = cache_kwarg(self.model)
@@ -287,7 +319,7 @@ class HFEngine(EngineBase):
     @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
         self.prefix_cache.clear()
-        if self.weights == "live":
+        if self.weights == "live" or self.shared:  # shared tensors: the new weights are already there
             return
         self.wake()
         src = merged_state_dict(model)
@@ -299,7 +331,7 @@ class HFEngine(EngineBase):
         change) and so does the storage of the bf16 copy (270 MB for the 135M model), which the
         update's peak need not hold; `sync_weights` brings it back with the new weights."""
         self.prefix_cache.clear()
-        if self.weights == "copy" and not self.asleep:
+        if self.weights == "copy" and not self.shared and not self.asleep:
             for t in self.model.state_dict().values():
                 t.untyped_storage().resize_(0)
             self.asleep = True

@@ -37,8 +37,10 @@ def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
 def _make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
     kind, r = cfg.rollout.engine, cfg.rollout
     if kind == "hf":
+        # LoRA: merged into the copy; fp32 full fine-tuning: the copy shares the trainer's tensors, except
+        # under torchrun, where the copy must stay whole while FSDP shards the policy
         return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
-                        precision=cfg.train.precision, weights="copy")  # LoRA: merged into the bf16 copy
+                        precision=cfg.train.precision, weights="copy", share_weights=not _distributed())
     if kind == "vllm":
         from actloop.rollout.vllm_engine import VLLMEngine
 
@@ -69,6 +71,12 @@ def _make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
         engine.sync_weights(models.policy)  # the actors start from the trainer's weights (LoRA init is random)
         return engine
     raise ConfigError(f"rollout.engine must be one of {', '.join(ENGINES)}; got `{kind}`")
+
+
+def _distributed() -> bool:
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _vllm_dtype(cfg: Config) -> str:

@@ -110,7 +110,7 @@ def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():
     (the update's peak does not hold it), sampling then is a clear error, and sync_weights
     re-allocates it with the policy's (changed) weights."""
     model = _tiny()
-    engine = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy")
+    engine = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy", share_weights=False)
     try:
         greedy = SamplingParams(max_new_tokens=6, greedy=True)
         before = engine.generate([[5, 6, 7]], greedy)[0].token_ids
@@ -131,3 +131,43 @@ def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():
         fresh.close()
     finally:
         engine.close()
+
+
+def test_an_fp32_copy_shares_the_policys_tensors_and_sleep_frees_none_of_them():
+    """fp32 full fine-tuning: the engine's modules hold the trainer's own parameters (no second copy),
+    decode through SmallBatchLinear while the trainer's modules stay nn.Linear, sleep leaves the
+    policy's storage alone, and an update is seen at once."""
+    from actloop.rollout.small_matmul import SmallBatchLinear
+
+    model = _tiny().train()
+    engine = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy")
+    try:
+        assert engine.shared
+        ours = dict(model.named_parameters())
+        for name, p in engine.model.named_parameters():
+            assert p.data_ptr() == ours[name].data_ptr(), name
+        assert all(p.requires_grad for p in model.parameters()) and model.training  # the trainer's flags untouched
+        assert any(type(m) is SmallBatchLinear for m in engine.model.modules())
+        assert not any(isinstance(m, SmallBatchLinear) for m in model.modules())
+        greedy = SamplingParams(max_new_tokens=6, greedy=True)
+        before = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+        engine.sleep()
+        assert all(t.untyped_storage().nbytes() > 0 for t in model.state_dict().values())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        engine.sync_weights(model)
+        fresh = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy", share_weights=False)
+        after = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+        assert after == fresh.generate([[5, 6, 7]], greedy)[0].token_ids and after != before
+        fresh.close()
+        comps = engine.generate([[5, 6, 7, 8], [5, 6, 1]], SamplingParams(max_new_tokens=12, temperature=1.0))
+        assert _max_diff(model.eval(), [[5, 6, 7, 8], [5, 6, 1]], comps) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_a_bf16_copy_is_its_own():
+    engine = HFEngine(_tiny(), None, eos_token_ids=(0,), precision="bf16", weights="copy")
+    assert not engine.shared and next(engine.model.parameters()).dtype == torch.bfloat16
+    engine.close()

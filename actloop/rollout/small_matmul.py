@@ -1,0 +1,52 @@
+"""`SmallBatchLinear`: nn.Linear for decode on a CPU, where a step multiplies a few rows by every
+weight matrix.
+
+For few rows, MKL's fp32 GEMM is much faster with the weight as the left operand: y = (W x^T)^T
+instead of y = x W^T (same products, summed in the same K order per output). Measured on the 2-core
+AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's 210 decoder matrices plus its
+[49152, 576] head, weights streaming from memory as in decode (`docs/performance.md`):
+
+    rows              4      8      16     32     64
+    x W^T   (ms)    110    139-161  151    152    221
+    (W x^T)^T (ms)   59     85-88    88    104    174
+
+One row is no faster (a GEMV either way) and from a few hundred rows on the two are within noise,
+so only 2..`max_rows` rows take the transposed form, and only fp32 on the CPU (bf16 and CUDA keep
+`F.linear`). The engine's own copy of the policy gets these modules (`use_small_batch_linears`);
+the trainer's modules are never touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class SmallBatchLinear(torch.nn.Linear):
+    """nn.Linear computing (W x^T)^T for 2..max_rows rows of fp32 on the CPU; F.linear otherwise."""
+
+    max_rows = 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] else 0
+        if not (1 < rows <= self.max_rows) or x.device.type != "cpu" or x.dtype != torch.float32 \
+                or w.dtype != torch.float32:
+            return F.linear(x, w, self.bias)
+        y = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]: a transposed view
+        if self.bias is not None:
+            y = y + self.bias
+        return y.contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def use_small_batch_linears(model: Any) -> int:
+    """Make every plain nn.Linear of `model` a SmallBatchLinear (same parameters, in place);
+    returns how many. Subclasses of nn.Linear (peft's LoRA layers, quantized linears) are left."""
+    n = 0
+    for mod in model.modules():
+        if type(mod) is torch.nn.Linear:
+            mod.__class__ = SmallBatchLinear
+            n += 1
+    return n
