@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
+
 from actloop.config import Config, ConfigError
 from actloop.models import resolve_model
 from actloop.rollout.engine import HFEngine
@@ -74,8 +76,6 @@ def _make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
 
 
 def _distributed() -> bool:
-    import torch.distributed
-
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 

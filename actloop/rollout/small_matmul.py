@@ -2,7 +2,7 @@
 weight matrix.
 
 For few rows, MKL's fp32 GEMM is much faster with the weight as the left operand: y = (W x^T)^T
-instead of y = x W^T (same products, summed in the same K order per output). Measured on the 2-core
+instead of y = x W^T (the same products; MKL may sum them in another order: equal to ~1e-6). Measured on the 2-core
 AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's 210 decoder matrices plus its
 [49152, 576] head, weights streaming from memory as in decode (`docs/performance.md`):
 
@@ -10,7 +10,7 @@ AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's 210 decoder ma
     x W^T   (ms)    110    139-161  151    152    221
     (W x^T)^T (ms)   59     85-88    88    104    174
 
-One row is no faster (a GEMV either way) and from a few hundred rows on the two are within noise,
+One row is no faster (a GEMV either way) and at a few hundred rows the decoder's matrices are within noise,
 so only 2..`max_rows` rows take the transposed form, and only fp32 on the CPU (bf16 and CUDA keep
 `F.linear`). The engine's own copy of the policy gets these modules (`use_small_batch_linears`);
 the trainer's modules are never touched.
