@@ -121,9 +121,10 @@ def test_enospc_from_dev_full_keeps_the_previous_checkpoint(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_trainer_stops_with_a_clear_message_when_the_disk_fills(tmp_path, monkeypatch):
-    """In a real run (LoRA: small checkpoints), step 2's checkpoint hits ENOSPC: the run stops with
-    RunAborted naming the intact step-1 checkpoint, summary.json says why, and it resumes."""
+def test_trainer_stops_with_a_clear_message_when_the_disk_fills(tmp_path, monkeypatch, tiny_qwen3_dir):
+    """In a real run (LoRA on the tiny random Qwen3: small checkpoints, quick steps), step 2's
+    checkpoint hits ENOSPC: the run stops with RunAborted naming the intact step-1 checkpoint,
+    summary.json says why, and it resumes."""
     from actloop.train import trainer
     from actloop.train.failures import RunAborted
 
@@ -131,7 +132,8 @@ def test_trainer_stops_with_a_clear_message_when_the_disk_fills(tmp_path, monkey
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say {i}."}]}) + "\n" for i in range(8)))
     (tmp_path / "rew.py").write_text("def varied(prompts, completions, **kw):\n"
                                      "    return [len(set(c)) / 10 for c in completions]\n")
-    cfg = load_config(None, [f"data.path={rows}", f"reward.funcs=[{tmp_path}/rew.py:varied]", "train.steps=3",
+    cfg = load_config(None, [f"model={tiny_qwen3_dir}", f"data.path={rows}", f"reward.funcs=[{tmp_path}/rew.py:varied]",
+                             "train.steps=3",
                              "train.prompts_per_step=1", "train.group_size=2", "rollout.max_new_tokens=4",
                              "rollout.max_turns=1", "train.eval_before=false", "train.eval_after=false",
                              "train.save_final=false", "train.threads=1", "train.beta=0", "lora.enabled=true",

@@ -242,9 +242,12 @@ def test_compare_is_a_cli_command_and_dr_grpo_a_variant():
 
 
 @pytest.mark.slow
-def test_compare_grpo_and_dpo_one_step_each(tmp_path):
+def test_compare_grpo_and_dpo_one_step_each(tmp_path, tiny_qwen3_dir):
+    # the tiny random Qwen3 (tests/fixtures/tiny_models.py): the child runs, rows and tables are the
+    # point here, not what a step of the embedded model learns (100 s of `make test` on it)
     res = run_compare(["grpo", "dpo"], steps=1, eval_size=2, output_dir=tmp_path, prompts_per_step=2, group_size=2,
-                      threads=1, overrides=["data.train_size=20", "rollout.max_turns=2"], print_fn=lambda *_: None)
+                      threads=1, overrides=[f"model={tiny_qwen3_dir}", "data.train_size=20", "rollout.max_turns=2"],
+                      print_fn=lambda *_: None)
     assert [r.algo for r in res.rows] == ["grpo", "dpo"]
     for r in res.rows:
         assert r.ok, r.error

@@ -271,7 +271,9 @@ def test_guard_stops_after_consecutive_bad_steps(tmp_path):
 
 
 BROKEN_REWARD = "def broken(prompts, completions, **kwargs):\n    raise ValueError('grader crashed')\n"
-VARIED_REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) / 10 for c in completions]\n"
+# distinct for every trajectory whatever the 2-token replies say (their characters could tie in a
+# group, which then trains nothing): this test is about truncated replies training, not the reward
+VARIED_REWARD = "def varied(prompts, completions, **kwargs):\n    return [i / 10 for i in range(len(completions))]\n"
 
 
 @pytest.mark.slow

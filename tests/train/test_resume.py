@@ -22,19 +22,22 @@ from actloop.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A reward that differs between samples, so every step has non-zero advantages and really updates.
-REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) / 10 for c in completions]\n"
+# A reward that differs between samples (the index term: two samples of a group never tie), so every
+# step has non-zero advantages and really updates.
+REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) / 100 + i / 10 for i, c in enumerate(completions)]\n"
 
 
-def tiny(tmp_path: Path, name: str) -> list[str]:
-    """4 steps of 2 prompts x 2 samples, 8 new tokens, short prompts (the update is most of a
-    step's cost, and it grows with the prompt), adaptive KL to a reference, a checkpoint every 2 steps
-    (the kill in step 3 resumes from step 2) and after the last one (off by default)."""
+def tiny(tmp_path: Path, name: str, model: str) -> list[str]:
+    """4 steps of 2 prompts x 2 samples, 8 new tokens, short prompts, adaptive KL to a reference, a
+    checkpoint every 2 steps (the kill in step 3 resumes from step 2) and after the last one (off by
+    default). `model`: the tiny random Qwen3 (tests/fixtures/tiny_models.py): exactness of a resume
+    does not depend on the model's size, and the embedded model's runs and 0.8-1.6 GB checkpoints
+    made these tests 6 minutes of `make test`."""
     reward, rows = tmp_path / "varied_reward.py", tmp_path / "rows.jsonl"
     reward.write_text(REWARD)
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Name a colour, {i}."}]}) + "\n"
                             for i in range(12)))
-    return ["train", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", f"data.path={rows}",
+    return ["train", f"model={model}", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", f"data.path={rows}",
             "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=1", "train.eval_before=false",
             "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=2",
             "checkpoint.keep=1", "checkpoint.at_end=true", "train.beta=0.04", "kl.controller=adaptive",
@@ -89,12 +92,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_killed_mid_step_and_resumed_matches_uninterrupted(tmp_path):
-    straight = start(tiny(tmp_path, "straight"))
+def test_killed_mid_step_and_resumed_matches_uninterrupted(tmp_path, tiny_qwen3_dir):
+    straight = start(tiny(tmp_path, "straight", tiny_qwen3_dir))
     killed_dir = tmp_path / "killed"
     wrapper, mark = tmp_path / "paused_train.py", tmp_path / "paused"
     wrapper.write_text(PAUSED)
-    killed = start(tiny(tmp_path, "killed"), wrapper, PAUSE_AT="3", PAUSE_MARK=str(mark))
+    killed = start(tiny(tmp_path, "killed", tiny_qwen3_dir), wrapper, PAUSE_AT="3", PAUSE_MARK=str(mark))
     deadline = time.time() + 600
     while not mark.exists():
         assert killed.poll() is None, killed.communicate()[0][-3000:]
@@ -293,7 +296,7 @@ def test_graceful_stop_survives_a_print_that_raises_in_the_handler(capfd):
 
 
 @pytest.mark.slow
-def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch):
+def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch, tiny_qwen3_dir):
     """In-process: SIGINT during step 1's update; the step finishes, a checkpoint is written, the
     run returns `stopped`; resuming runs steps 2-3 and nothing is lost or repeated."""
     import actloop.train.trainer as trainer
@@ -307,7 +310,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch)
         return real_update(ctx, scored, group_size)
 
     monkeypatch.setattr(trainer, "rl_update", update_then_ctrl_c)
-    args = [a for a in tiny(tmp_path, "interrupted")[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
+    args = [a for a in tiny(tmp_path, "interrupted", tiny_qwen3_dir)[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
                                                                                    "train.beta", "kl."))]
     said = []
     res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
@@ -322,7 +325,8 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoint(tmp_path, monkeypatch):
+def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoint(tmp_path, monkeypatch,
+                                                                                 tiny_qwen3_dir):
     """The loop must read the stop flag once per step: a SIGTERM that arrives between "no
     checkpoint this step" and "stop now?" used to stop the run with no checkpoint of its last
     step (none at all with checkpoint.every=0) while telling the user to resume."""
@@ -344,7 +348,7 @@ def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoin
             pass
 
     monkeypatch.setattr(trainer, "GracefulStop", LateSigterm)
-    args = [a for a in tiny(tmp_path, "late")[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
+    args = [a for a in tiny(tmp_path, "late", tiny_qwen3_dir)[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
                                                                             "train.beta", "kl."))]
     res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
                         progress=False, print_fn=lambda *_: None)
@@ -382,12 +386,12 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # three 2-process runs (150-190 s here under load; allow a slow CI)
-def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_path):
+def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_path, tiny_qwen3_dir):
     """2 processes (gloo, FSDP2, 1 thread each): straight through, and SIGKILLed (both ranks and the
     torchrun agent) in the middle of step 3, then `torchrun ... actloop train resume=RUN_DIR`.
     The sharded checkpoint of step 2 brings back every rank's policy and AdamW shards, RNGs and
     prompt position: the metrics of every step and the final weights are identical."""
-    args = [a for a in tiny(tmp_path, "x") if not a.startswith(("run_name", "train.save_final"))]
+    args = [a for a in tiny(tmp_path, "x", tiny_qwen3_dir) if not a.startswith(("run_name", "train.save_final"))]
     straight = _torchrun([*args, "run_name=straight", "train.save_final=true"])
     killed_dir = tmp_path / "killed"
     wrapper, mark = tmp_path / "paused_train.py", tmp_path / "paused"
