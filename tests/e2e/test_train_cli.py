@@ -147,11 +147,11 @@ def test_online_algorithms_tiny(tmp_path, name, tiny_qwen3_dir):
     """Each online algorithm completes two steps on the blog reward (which varies within a group)
     with finite metrics and the keys its maths reports, on the tiny random Qwen3
     (tests/fixtures/tiny_models.py): the five took 6 minutes of `make test` on the embedded model,
-    whose learning the calculator tests above and tests/algos' fixed-batch tests cover."""
+    whose learning the calculator tests above and tests/train/test_update_learns.py cover."""
     rows, funcs = blog_data(tmp_path)
-    run_cli("train", *TINY, f"model={tiny_qwen3_dir}", "train.group_size=4", "train.eval_before=false", "train.eval_after=false",
-            "train.save_final=false", f"output_dir={tmp_path}", "run_name=r", f"data.path={rows}",
-            f"reward.funcs={funcs}", *ALGO_VARIANTS[name])
+    run_cli("train", *TINY, f"model={tiny_qwen3_dir}", "train.group_size=4", "train.eval_before=false",
+            "train.eval_after=false", "train.save_final=false", f"output_dir={tmp_path}", "run_name=r",
+            f"data.path={rows}", f"reward.funcs={funcs}", *ALGO_VARIANTS[name])
     lines = finite_metrics(tmp_path / "r")
     assert len(lines) == 2
     trained(lines)

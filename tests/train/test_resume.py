@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A reward that differs between samples (the index term: two samples of a group never tie), so every
 # step has non-zero advantages and really updates.
-REWARD = "def varied(prompts, completions, **kwargs):\n    return [len(set(c)) / 100 + i / 10 for i, c in enumerate(completions)]\n"
+REWARD = ("def varied(prompts, completions, **kwargs):\n"
+          "    return [len(set(c)) / 100 + i / 10 for i, c in enumerate(completions)]\n")
 
 
 def tiny(tmp_path: Path, name: str, model: str) -> list[str]:
@@ -37,10 +38,10 @@ def tiny(tmp_path: Path, name: str, model: str) -> list[str]:
     reward.write_text(REWARD)
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Name a colour, {i}."}]}) + "\n"
                             for i in range(12)))
-    return ["train", f"model={model}", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2", f"data.path={rows}",
-            "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=1", "train.eval_before=false",
-            "train.eval_after=false", "train.save_final=false", "train.threads=1", "checkpoint.every=2",
-            "checkpoint.keep=1", "checkpoint.at_end=true", "train.beta=0.04", "kl.controller=adaptive",
+    return ["train", f"model={model}", "train.steps=4", "train.prompts_per_step=2", "train.group_size=2",
+            f"data.path={rows}", "data.eval_size=2", "rollout.max_new_tokens=8", "rollout.max_turns=1",
+            "train.eval_before=false", "train.eval_after=false", "train.save_final=false", "train.threads=1",
+            "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.at_end=true", "train.beta=0.04", "kl.controller=adaptive",
             f"reward.funcs=[{reward}:varied]",
             # lockstep: continuous batching's batches depend on thread timing, so it is not bit-reproducible
             "rollout.schedule=lockstep",
@@ -310,8 +311,8 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch,
         return real_update(ctx, scored, group_size)
 
     monkeypatch.setattr(trainer, "rl_update", update_then_ctrl_c)
-    args = [a for a in tiny(tmp_path, "interrupted", tiny_qwen3_dir)[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
-                                                                                   "train.beta", "kl."))]
+    args = [a for a in tiny(tmp_path, "interrupted", tiny_qwen3_dir)[1:-1]
+            if not a.startswith(("train.steps", "checkpoint.every", "train.beta", "kl."))]
     said = []
     res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
                         progress=False, print_fn=said.append)
@@ -348,8 +349,8 @@ def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoin
             pass
 
     monkeypatch.setattr(trainer, "GracefulStop", LateSigterm)
-    args = [a for a in tiny(tmp_path, "late", tiny_qwen3_dir)[1:-1] if not a.startswith(("train.steps", "checkpoint.every",
-                                                                            "train.beta", "kl."))]
+    args = [a for a in tiny(tmp_path, "late", tiny_qwen3_dir)[1:-1]
+            if not a.startswith(("train.steps", "checkpoint.every", "train.beta", "kl."))]
     res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
                         progress=False, print_fn=lambda *_: None)
     stopped = res.summary["stopped"]
@@ -385,7 +386,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # three 2-process runs (150-190 s here under load; allow a slow CI)
+@pytest.mark.timeout(1800)  # three 2-process runs (50 s here on the tiny model; allow a slow CI)
 def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_path, tiny_qwen3_dir):
     """2 processes (gloo, FSDP2, 1 thread each): straight through, and SIGKILLed (both ranks and the
     torchrun agent) in the middle of step 3, then `torchrun ... actloop train resume=RUN_DIR`.
