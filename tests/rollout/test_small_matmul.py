@@ -1,11 +1,77 @@
-"""SmallBatchLinear: (W x^T)^T for a few fp32 rows on the CPU equals nn.Linear's x W^T."""
+"""SmallBatchLinear: the fp32 kernel (`rollout/cpu_kernel.py`) and (W x^T)^T for a few fp32 rows on
+the CPU equal nn.Linear's x W^T."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from actloop.rollout import cpu_kernel
 from actloop.rollout import engine as engine_mod
 from actloop.rollout.small_matmul import SmallBatchLinear, use_small_batch_linears
+
+needs_kernel = pytest.mark.skipif(cpu_kernel.small_linear() is None,
+                                  reason=f"the fp32 decode kernel is unavailable here: {cpu_kernel.unavailable_reason()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16])
+@pytest.mark.parametrize("n_in,n_out", [(576, 192), (13, 5), (8, 1), (40, 37)])  # K % 8 != 0: the scalar tail
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_equals_linear(rows, n_in, n_out, bias):
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, n_in), torch.randn(n_out, n_in)
+    b = torch.randn(n_out) if bias else None
+    got = cpu_kernel.linear(x, w, b)
+    assert got.shape == (rows, n_out)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_small_batches_take_the_kernel(monkeypatch):
+    lin = torch.nn.Linear(24, 37)
+    use_small_batch_linears(lin)
+    calls = []
+    real = cpu_kernel.linear
+    monkeypatch.setattr(cpu_kernel, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(2, 3, 24)[:, ::2]  # a non-contiguous [2, 2, 24] view: copied for the kernel
+    with torch.no_grad():
+        got = lin(x)
+        lin(torch.randn(17, 24))  # above MAX_ROWS: the transposed form
+    assert calls == [(4, 24)]
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    w = lin.weight
+    lin(torch.randn(3, 24)).sum().backward()  # autograd on: the plain path, and the gradient arrives
+    assert calls == [(4, 24)] and w.grad is not None
+
+
+def test_without_the_kernel_decode_keeps_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("ACTLOOP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu_kernel.small_linear() is None
+    assert "no C compiler" in cpu_kernel.unavailable_reason() or "only" in cpu_kernel.unavailable_reason() \
+        or "AVX2" in cpu_kernel.unavailable_reason()
+    lin = torch.nn.Linear(24, 37)
+    use_small_batch_linears(lin)
+    x = torch.randn(4, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("ACTLOOP_CPU_KERNELS", "0")
+    assert cpu_kernel.small_linear() is None and cpu_kernel.unavailable_reason() == "ACTLOOP_CPU_KERNELS=0"
+
+
+@needs_kernel
+def test_a_broken_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setenv("ACTLOOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    assert cpu_kernel.small_linear() is None
+    assert "internal error" in cpu_kernel.unavailable_reason()
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -17,20 +83,24 @@ def test_equals_linear(shape, bias):
     want = F.linear(x, lin.weight, lin.bias)
     use_small_batch_linears(lin)
     assert type(lin) is SmallBatchLinear
-    got = lin(x)
+    with torch.no_grad():
+        got = lin(x)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_and_large_batches_take_the_plain_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "small_linear", lambda: None)  # the transposed form, not the kernel
     lin = torch.nn.Linear(8, 4)
     use_small_batch_linears(lin)
     calls = []
     monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a) or torch.matmul(*a))
-    lin(torch.randn(3, 8))
-    assert len(calls) == 1  # the transposed form
-    lin(torch.randn(200, 8))
-    lin.to(torch.bfloat16)(torch.randn(3, 8, dtype=torch.bfloat16))
+    with torch.no_grad():
+        lin(torch.randn(3, 8))
+        assert len(calls) == 1  # the transposed form
+        lin(torch.randn(200, 8))
+        lin.to(torch.bfloat16)(torch.randn(3, 8, dtype=torch.bfloat16))
+    lin.float()(torch.randn(3, 8))  # autograd on: plain
     assert len(calls) == 1
 
 

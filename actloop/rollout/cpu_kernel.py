@@ -1,0 +1,119 @@
+"""The fp32 small-batch matmul kernel of CPU decode (`small_linear.c`), built on first use.
+
+A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
+is one pass over the weights per step. MKL's sgemm is far from that pass's memory-bandwidth floor
+for so few rows on an AVX2 CPU; the kernel streams each weight row once and feeds it to all rows
+at once. Measured on the 2-core AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's
+210 decoder matrices plus its [49152, 576] head (540 MB of fp32), ms per pass, alternating in one
+process (`docs/performance.md`):
+
+    rows              1       2       8        32
+    x W^T (MKL)     58-59   90-96  106-114  161-202
+    (W x^T)^T       53-58   33-35   85-98   107-112
+    this kernel     19-22   22-26   44-50   159-183
+
+So it takes 1..`MAX_ROWS` rows (`SmallBatchLinear`); a sum over the same 540 MB takes 10-18 ms.
+
+The library is compiled with the system C compiler (`$CC`, else `cc`; -O3 -mavx2 -mfma
+-fopenmp) into `$ACTLOOP_CACHE/kernels/`, keyed by a hash of the source and flags, once per
+machine, and loaded with ctypes (which releases the GIL during the call). Where it cannot be
+built — not Linux x86-64, a CPU without AVX2 and FMA, no compiler — or `ACTLOOP_CPU_KERNELS=0`,
+`small_linear()` returns None with the reason in `unavailable_reason()` and decode keeps the
+torch path (one warning in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from actloop.models.resolve import cache_dir
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 16  # above this the kernel is no faster than MKL (32 rows: 159-183 vs 161-202 ms)
+SOURCE = Path(__file__).with_name("small_linear.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "fn": the loaded kernel or None, "why": the reason it is None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build() -> tuple[Callable | None, str]:
+    if os.environ.get("ACTLOOP_CPU_KERNELS", "1") == "0":
+        return None, "ACTLOOP_CPU_KERNELS=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"built for Linux x86-64 only (this is {platform.system()} {platform.machine()})"
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return None, "the CPU has no AVX2 + FMA"
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        return None, f"no C compiler (`{cc}` not found; set CC)"
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    lib = cache_dir() / "kernels" / f"small_linear-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, renamed in: no half-written .so
+            out = Path(tmp) / lib.name
+            res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            if res.returncode != 0:
+                return None, f"`{cc}` failed: {res.stderr.strip()[-500:]}"
+            os.replace(out, lib)
+    fn = ctypes.CDLL(str(lib)).actloop_small_linear
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.restype = None
+    return fn, ""
+
+
+def small_linear() -> Callable | None:
+    """The kernel, `fn(x_ptr, w_ptr, bias_ptr_or_None, y_ptr, M, N, K)`, or None (see the module)."""
+    if "fn" not in _state:
+        with _lock:
+            if "fn" not in _state:
+                try:
+                    fn, why = _build()
+                except OSError as e:  # an unwritable cache, a library that does not load
+                    fn, why = None, f"{type(e).__name__}: {e}"
+                if fn is None:
+                    log.warning("fp32 decode kernel unavailable (%s): decode uses torch's matmul", why)
+                _state["why"] = why
+                _state["fn"] = fn
+    return _state["fn"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str:
+    small_linear()
+    return str(_state["why"])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T + bias -> [M, N] through the kernel: fp32, contiguous, on the CPU,
+    1 <= M <= MAX_ROWS, and `small_linear()` not None (the caller checks)."""
+    fn = small_linear()
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
+    return y
