@@ -78,6 +78,8 @@ class Engine(Protocol):
 
     def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int) -> list[Any]: ...
 
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
+
     def close(self) -> None: ...
 
 
@@ -105,6 +107,11 @@ class EngineBase:
 
     def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int) -> list[Any]:
         raise NotImplementedError(f"{type(self).__name__} does not run whole episodes (runs_episodes is False)")
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the thread that computes with the model: here the caller's. HFEngine
+        runs it on its decode thread (see there); the trainer's update goes through this."""
+        return fn(*args, **kwargs)
 
     def close(self) -> None:
         q = self.__dict__.get("_submit_queue")
@@ -268,6 +275,14 @@ class HFEngine(EngineBase):
     this batch, so a request never waits for another request's turn to end. Rows sit left-padded
     in one KV cache ([pad][prefix][sampled]) with explicit position ids.
 
+    One thread computes: `run(fn)` executes fn on the decode thread, between decode batches (the
+    trainer's update and weight sync go there). With two threads running torch's OpenMP regions —
+    a decode thread and a trainer thread — libgomp manages more threads than there are cores and
+    drops its spin-wait to ~100 spins (`gomp_throttled_spin_count_var`), so every parallel region
+    of either thread waits for its workers to wake from a futex. Measured on the 2-core box (8 rows
+    x 64 tokens): 6.2-6.9 s for a decode before the trainer thread ran any 2-thread op, 8-16.5 s
+    after one (a matmul, an add, an update: docs/performance.md).
+
     Prefix cache: the KV of every prefilled prompt, and of every finished prompt + completion,
     is kept (least recently used first out, `prefix_cache_tokens` in all), so a group's G
     copies of a prompt, a shared system prompt, and an agent's next call (previous prompt +
@@ -277,8 +292,9 @@ class HFEngine(EngineBase):
 
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: tuple[int, ...], stop_strings=(),
                  precision: str = "auto", weights: Literal["copy", "live"] = "copy", max_batch: int = 128,
-                 prefix_cache_tokens: int = 16384, share_weights: bool = True):
+                 prefix_cache_tokens: int = 16384, share_weights: bool = True, threads: int | None = None):
         self.tokenizer = tokenizer
+        self.threads = threads or torch.get_num_threads()  # the decode thread's torch threads (the creator's by default)
         self.eos_token_ids = tuple(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
         self.precision = precision
@@ -383,17 +399,33 @@ class HFEngine(EngineBase):
         for p, _ in reqs:
             if not p:
                 raise ValueError("an empty prompt: nothing to continue")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("generate() from inside engine.run(fn): the decode thread would wait for itself")
+        self._ensure_thread()
+        futures = [Future() for _ in reqs]
+        self._queue.put([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
+        return futures
+
+    def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), daemon=True,
+                self._thread = threading.Thread(target=self._loop, args=(self.threads,), daemon=True,
                                                 name="hf-engine-decode")
                 self._thread.start()
                 # stop the decode thread before the interpreter finalizes: a daemon thread still inside
                 # torch at exit aborted `actloop eval` ("terminate called without an active exception")
                 atexit.register(self.close)
-        futures = [Future() for _ in reqs]
-        self._queue.put([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
-        return futures
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the decode thread, once no row is decoding (autograd on, the model's
+        train/eval mode as the caller left it); returns its result or raises its exception. Lock-step
+        engines (`continuous_batching` False) and calls from the decode thread run it in place."""
+        if not self.continuous_batching or threading.current_thread() is self._thread:
+            return fn(*args, **kwargs)
+        self._ensure_thread()
+        fut: Future = Future()
+        self._queue.put(_Call(fn, args, kwargs, fut))
+        return fut.result()
 
     def _forward(self, ids, mask, pos, cache, kpos):
         """kpos [B, columns]: the position of every key column (cache + ids), for sliding layers."""
@@ -488,16 +520,22 @@ class HFEngine(EngineBase):
         torch.set_num_threads(threads)  # a new thread starts with the OpenMP default, not the caller's
         batch = _Batch()
         was_training = None
+        calls: list[_Call] = []  # run(fn) calls waiting for the batch to drain
         with torch.no_grad():
             while True:
                 waiting: list[_Request] = []
                 try:  # block only when nothing is decoding
-                    item = self._queue.get(block=not batch.rows)
+                    item = self._queue.get(block=not batch.rows and not calls)
                     while True:
                         if item is None:
                             self._fail_all(batch, RuntimeError("the engine was closed"))
+                            for c in calls:
+                                c.future.set_exception(RuntimeError("the engine was closed"))
                             return
-                        waiting += item
+                        if isinstance(item, _Call):
+                            calls.append(item)
+                        else:
+                            waiting += item
                         item = self._queue.get_nowait()
                 except queue.Empty:
                     pass
@@ -524,9 +562,17 @@ class HFEngine(EngineBase):
                 except Exception as e:  # every live request hears of it; the thread goes on
                     self._fail_all(batch, e)
                     batch = _Batch()
-                if not batch.rows and self._queue.empty() and was_training is not None:
+                if not batch.rows and (self._queue.empty() or calls) and was_training is not None:
                     self.model.train(was_training)
                     was_training = None
+                if calls and not batch.rows:
+                    for c in calls:
+                        try:
+                            with torch.enable_grad():
+                                c.future.set_result(c.fn(*c.args, **c.kwargs))
+                        except BaseException as e:  # the caller hears of it; the thread goes on
+                            c.future.set_exception(e)
+                    calls = []
 
     def _fail_all(self, batch: "_Batch", e: Exception) -> None:
         for row in batch.rows:
@@ -624,6 +670,14 @@ class HFEngine(EngineBase):
 class _Request:
     prompt: list[int]
     params: SamplingParams
+    future: Future
+
+
+@dataclass
+class _Call:
+    fn: Any
+    args: tuple
+    kwargs: dict
     future: Future
 
 

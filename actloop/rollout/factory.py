@@ -28,21 +28,23 @@ def adapter_dir(cfg: Config) -> Path:
     return Path(cfg.rollout.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters")
 
 
-def make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
+def make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = None) -> Any:
     """The engine `rollout.engine` names, with failing requests isolated (retried, then recorded
-    per trajectory: `actloop.rollout.isolation`)."""
+    per trajectory: `actloop.rollout.isolation`). `threads`: the HF engine's torch threads (default:
+    the caller's)."""
     r = cfg.rollout
-    return IsolatedEngine(_make_engine(cfg, models, renderer), r.engine_retries, r.engine_retry_backoff_s,
+    return IsolatedEngine(_make_engine(cfg, models, renderer, threads), r.engine_retries, r.engine_retry_backoff_s,
                           r.engine_retry_max_backoff_s)
 
 
-def _make_engine(cfg: Config, models: Any, renderer: Any) -> Any:
+def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = None) -> Any:
     kind, r = cfg.rollout.engine, cfg.rollout
     if kind == "hf":
         # LoRA: merged into the copy; fp32 full fine-tuning: the copy shares the trainer's tensors, except
         # under torchrun, where the copy must stay whole while FSDP shards the policy
         return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
-                        precision=cfg.train.precision, weights="copy", share_weights=not _distributed())
+                        precision=cfg.train.precision, weights="copy", share_weights=not _distributed(),
+                        threads=threads)
     if kind == "vllm":
         from actloop.rollout.vllm_engine import VLLMEngine
 

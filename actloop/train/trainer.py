@@ -194,6 +194,7 @@ def eval_metrics(res: dict[str, Any]) -> dict[str, Any]:
 
 def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     """Run `cfg.algo`: the online RL loop below, or the trainer its row of ALGORITHMS names."""
+    threads = torch.get_num_threads()
     try:
         alg = ALGORITHMS[cfg.algo]
         if alg.in_loop(cfg):  # grpo, rloo, ..., and online DPO: the rollout loop below
@@ -211,6 +212,7 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
         return getattr(importlib.import_module(module), name)(cfg, progress=progress, print_fn=print_fn)
     finally:
         rundir.release()  # the run directory's lock (the kernel drops it anyway when the process ends)
+        torch.set_num_threads(cfg.train.threads or threads)  # the loop kept one for itself (train_online)
 
 
 def open_run(cfg: Config, print_fn=print) -> tuple[Path, checkpoint.Checkpoint | None]:
@@ -279,6 +281,14 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     for note in task.info.get("notes", []):  # e.g. how many custom rows are held out for evaluation
         print_fn(note)
     alg = ALGORITHMS[cfg.algo]
+    # One thread computes: the HF engine's decode thread runs decode, the update and the weight sync
+    # (`engine.run`), with this process's torch threads; this thread keeps one, so that it never starts
+    # an OpenMP pool of its own (two pools on the same cores throttle libgomp's spin-wait: every
+    # parallel region of either waits on a futex; HFEngine's docstring, docs/performance.md)
+    compute_threads = torch.get_num_threads()
+    one_compute_thread = cfg.rollout.engine == "hf" and not dist.active
+    if one_compute_thread:
+        torch.set_num_threads(1)
     peaks = PhasePeaks(trim=cfg.train.malloc_trim)  # peak RSS per phase: metrics peak_mem_mb/<phase>, summary peak_mem_mb
     with peaks("model_load"):
         models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0 or alg.needs_reference,
@@ -289,7 +299,8 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         ckpt.load_policy(models.policy)  # before the engine copies the weights (sharded: after `prepare`)
     renderer = Renderer.from_config(models.tokenizer, cfg)
     with peaks("model_load"):
-        engine = make_engine(cfg, models, renderer)
+        engine = make_engine(cfg, models, renderer, threads=compute_threads)
+    on_model_thread = engine.run if one_compute_thread else (lambda fn, *a: fn(*a))
     if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
     models.policy = dist.prepare(cfg, models, engine)  # FSDP2 under torchrun, after the engine's copy
@@ -402,11 +413,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             #    failed trajectories are masked (a step with nothing valid trains nothing)
             engine.sleep()  # a colocated vLLM frees its GPU memory for the update (a no-op elsewhere)
             with peaks("update"), mmap_threshold(update_mmap_mb):
-                upd = update_step(ctx, scored, cfg.train.group_size)  # rl_update, or online DPO's preference update
+                # rl_update, or online DPO's preference update, on the engine's thread (one thread computes)
+                upd = on_model_thread(update_step, ctx, scored, cfg.train.group_size)
                 with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                     scheduler.step()
-                dist.sync_engine(engine, models.policy)  # FSDP: the gathered full weights
+                on_model_thread(dist.sync_engine, engine, models.policy)  # FSDP: the gathered full weights
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target); a step that
             #    trained nothing (all masked) measured no KL: its 0.0 is a placeholder, beta stays
             if upd.get("trained_trajectories", 1):

@@ -4,6 +4,7 @@ leaving, the prefix cache — each checked against the trainer's log-probs of th
 import threading
 import time
 
+import pytest
 import torch
 
 from actloop.rollout.engine import HFEngine, PrefixCache, SamplingParams
@@ -171,3 +172,32 @@ def test_a_bf16_copy_is_its_own():
     engine = HFEngine(_tiny(), None, eos_token_ids=(0,), precision="bf16", weights="copy")
     assert not engine.shared and next(engine.model.parameters()).dtype == torch.bfloat16
     engine.close()
+
+
+def test_run_executes_on_the_decode_thread_between_batches():
+    """engine.run(fn): fn runs on the thread that decodes (one OpenMP pool: HFEngine's docstring), with
+    autograd on, its result returned and its exception raised to the caller; generate() from inside
+    fn is refused instead of deadlocking; decoding goes on afterwards."""
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(), precision="fp32", weights="copy", threads=1)
+    params = SamplingParams(max_new_tokens=4)
+    try:
+        assert len(engine.generate([[1, 2, 3]], params)[0].token_ids) == 4
+        decode_thread = engine._thread
+
+        def work(x):
+            assert torch.is_grad_enabled()
+            return threading.current_thread(), x * 2
+
+        assert engine.run(work, 21) == (decode_thread, 42)
+        with pytest.raises(ValueError, match="boom"):
+            engine.run(lambda: (_ for _ in ()).throw(ValueError("boom")))
+        with pytest.raises(RuntimeError, match="inside engine.run"):
+            engine.run(engine.generate, [[1, 2]], params)
+        # a request and a call queued together: the call waits for the batch to drain, both complete
+        fut = engine.submit([4, 5, 6], SamplingParams(max_new_tokens=8))
+        assert engine.run(lambda: fut.done())  # the row had finished before the call ran
+        assert len(fut.result().token_ids) == 8
+        assert engine._thread is decode_thread
+    finally:
+        engine.close()
