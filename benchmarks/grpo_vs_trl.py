@@ -21,7 +21,7 @@ seconds (steadier under a neighbour's load; with 1 thread, the wall time on an i
 
     python benchmarks/grpo_vs_trl.py                       # full FT and LoRA, 2 x 4, 64 tokens
     python benchmarks/grpo_vs_trl.py --mode full --repeats 2 --steps 4 --threads 2
-    python benchmarks/grpo_vs_trl.py --only actloop --precision fp32
+    python benchmarks/grpo_vs_trl.py --only actloop --precision fp32    # default auto: bf16 where native
 
 Needs the `bench` extra (trl, datasets) for the TRL side.
 """
@@ -250,7 +250,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step (P)")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="auto: bf16 where this machine computes it natively, else fp32 (actloop's train.precision=auto), "
+                         "resolved here so that both get the same")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for both")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--beta", type=float, default=0.0)
@@ -266,6 +268,10 @@ def main(argv=None) -> None:
     ap.add_argument("--verbose", action="store_true", help="print actloop's per-step rollout/update split")
     ap.add_argument("--child", choices=["actloop", "trl"], default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.precision == "auto":  # an AVX2-only CPU emulates bf16 (several times slower than fp32 there)
+        from actloop.rollout.engine import use_bf16
+
+        a.precision = "bf16" if use_bf16("auto") else "fp32"
     if a.child:
         return child(a)
 
