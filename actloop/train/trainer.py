@@ -300,6 +300,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     renderer = Renderer.from_config(models.tokenizer, cfg)
     with peaks("model_load"):
         engine = make_engine(cfg, models, renderer, threads=compute_threads)
+    if one_compute_thread and not engine.continuous_batching:  # lock-step decode (sliding windows, MoE) runs here
+        torch.set_num_threads(compute_threads)
+        one_compute_thread = False
     on_model_thread = engine.run if one_compute_thread else (lambda fn, *a: fn(*a))
     if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
