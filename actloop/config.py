@@ -118,6 +118,10 @@ class RolloutConfig:
         32, "Most episodes run at once, in training rollouts and in evaluation (the engine's KV cache and logits "
         "grow with it); more are run in consecutive batches. The default is the default step's prompts x group "
         "(4 x 8), so it bounds a large evaluation without changing a step's sampling. 0 = all at once.")
+    lean_decode: bool = opt(
+        True, "The HF engine decodes Llama / Qwen2 / Qwen3 / Mistral models (full attention) with its lean forward "
+        "(`rollout/lean_decode.py`: transformers' modules and weights, none of its per-call machinery); false = "
+        "transformers' own forward. Other models always use transformers'.")
     max_context: int = opt(
         4096, "Most tokens in one episode (prompt + every turn + tool results); an episode whose next turn would "
         "not fit is ended and counted as `truncated_context`.")

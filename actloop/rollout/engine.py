@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import copy
 import functools
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -26,7 +27,10 @@ import torch
 from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
 from actloop.models.routing import RoutingTrace, install_routing
 from actloop.rollout.kv import SlackLayer, with_slack
+from actloop.rollout.lean_decode import lean_forward, lean_supported
 from actloop.rollout.small_matmul import use_small_batch_linears
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -292,7 +296,8 @@ class HFEngine(EngineBase):
 
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: tuple[int, ...], stop_strings=(),
                  precision: str = "auto", weights: Literal["copy", "live"] = "copy", max_batch: int = 128,
-                 prefix_cache_tokens: int = 16384, share_weights: bool = True, threads: int | None = None):
+                 prefix_cache_tokens: int = 16384, share_weights: bool = True, threads: int | None = None,
+                 lean: bool = True):
         self.tokenizer = tokenizer
         self.threads = threads or torch.get_num_threads()  # the decode thread's torch threads (the creator's by default)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -326,6 +331,12 @@ class HFEngine(EngineBase):
         # sliding-window layer masks and MoE routing traces follow the lock-step decode below (`_decode`);
         # other models are batched continuously
         self.continuous_batching = not self._layer_masks and self._routing is None
+        # the engine's own copy of a Llama / Qwen2 / Qwen3 / Mistral decoder runs `lean_forward`
+        # (rollout/lean_decode.py: the same modules without transformers' per-call machinery)
+        why = lean_supported(self.model) if lean and weights == "copy" else "off"
+        self.lean = why == ""
+        if lean and why not in ("", "off"):
+            log.info("lean decode forward off for this model (%s): transformers' forward", why)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "admitted": 0}
         self._queue: queue.Queue = queue.Queue()
@@ -432,6 +443,8 @@ class HFEngine(EngineBase):
         if self._layer_masks:  # exact sliding windows over the padded layout, cache not cropped
             cache = cache if cache is not None else uncropped_cache(self.model)
             mask = layer_masks(self.model, pos, kpos, mask, mask_dtype(self.model))
+        if self.lean:
+            return lean_forward(self.model, ids, mask, pos, cache)
         ctx = autocast_context(self.precision) if self.weights == "live" else contextlib.nullcontext()
         with ctx:
             return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -597,7 +610,7 @@ class HFEngine(EngineBase):
         self.stats["prefill_tokens"] += n - P
         self.stats["reused_tokens"] += P
         self.stats["admitted"] += 1
-        self.prefix_cache.put(prompt, _layers_of(cache, 0, 0))
+        self.prefix_cache.put(prompt, lambda start: _layers_of(cache, 0, start))
         row = _Row(req, next_pos=n)
         tok, lp = sample_next(out.logits[:, -1], req.params)
         reason = self._take(row, int(tok[0]), float(lp[0]))
@@ -631,7 +644,9 @@ class HFEngine(EngineBase):
         if done:
             for j, reason in done.items():  # what the row computed is a prefix the next call may extend
                 r = batch.rows[j]
-                self.prefix_cache.put(r.req.prompt + r.tokens[:-1], _layers_of(batch.cache, j, batch.pad_of(j)),
+                pad = batch.pad_of(j)
+                self.prefix_cache.put(r.req.prompt + r.tokens[:-1],
+                                      lambda start: _layers_of(batch.cache, j, pad + start),  # noqa: B023 (called here)
                                       replaces=r.req.prompt)
                 self._resolve(r, reason)  # after the cache entry: a caller may sync weights at once
             batch.leave(sorted(done))
@@ -773,15 +788,38 @@ class _Batch:
                 layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
 
 
+@dataclass(eq=False)
+class _Block:
+    """One copy of keys and values ([1, H, n, D] per layer, views into one stacked tensor),
+    shared by every prefix-cache entry whose segments point into it; freed with the last one."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    tokens: int
+    refs: int = 0
+
+
+_Segment = tuple[_Block, int, int]  # a block, its first column, the number of columns
+
+
 class PrefixCache:
-    """KV of token sequences already computed, LRU by total tokens. `lookup(prompt)` returns
-    the longest cached prefix of `prompt` (at most len(prompt) - 1 tokens: the last one is fed
-    to get the next token's logits) and that entry's KV."""
+    """KV of token sequences already computed, LRU, at most `max_tokens` tokens of stored KV.
+    `lookup(prompt)` returns the longest cached prefix of `prompt` (at most len(prompt) - 1
+    tokens: the last one is fed to get the next token's logits) and its KV.
+
+    Entries share storage: `put(ids, kv_from)` stores only the columns past the longest prefix
+    that `ids` has in common with an entry already held (`kv_from(start)` copies them out of the
+    caller's cache); the entry points into the older entry's block for the rest. A group's G
+    completions of one prompt hold the prompt's KV once, not G times, and an agent's next call
+    (previous prompt + sampled ids + tool result) adds only the tool result. The budget counts
+    each block once, while any entry points into it (fp32 KV of SmolLM2-135M: 46 KB a token,
+    so the default 16384 tokens are at most 0.75 GB)."""
+
+    MIN_SHARED = 16  # a shorter common prefix is copied (a segment costs a concatenation at lookup)
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.entries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.tokens = 0
+        self.entries: dict[tuple[int, ...], list[_Segment]] = {}
+        self.tokens = 0  # of stored KV, each block once
         self._lock = threading.Lock()
 
     def clear(self) -> None:
@@ -789,36 +827,73 @@ class PrefixCache:
             self.entries.clear()
             self.tokens = 0
 
-    def lookup(self, prompt: list[int]) -> tuple[int, Any]:
-        best, best_kv, best_key = 0, None, None
-        with self._lock:
-            for key, kv in self.entries.items():
-                if not key or key[0] != prompt[0]:
-                    continue
-                n = common_prefix_len([list(key), prompt])
-                n = min(n, len(prompt) - 1)
-                if n > best:
-                    best, best_kv, best_key = n, kv, key
-            if best_key is not None:  # most recently used last
-                self.entries[best_key] = self.entries.pop(best_key)
-        return best, best_kv
+    def _longest(self, ids: list[int] | tuple[int, ...], cap: int) -> tuple[int, tuple[int, ...] | None]:
+        best, best_key = 0, None
+        for key in self.entries:
+            if not key or key[0] != ids[0]:
+                continue
+            n = min(common_prefix_len([key, ids]), cap)
+            if n > best:
+                best, best_key = n, key
+        return best, best_key
 
-    def put(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], replaces: list[int] | None = None) -> None:
-        """Keep `ids`' KV; `replaces` names an entry it extends (dropped: every lookup that
-        entry served, this one serves as well)."""
+    def lookup(self, prompt: list[int]) -> tuple[int, Any]:
+        """(P, [(keys, values)] per layer, [1, H, P, D] each) for the longest cached prefix; (0, None) if none."""
+        with self._lock:
+            best, key = self._longest(prompt, len(prompt) - 1)
+            if key is None:
+                return 0, None
+            self.entries[key] = self.entries.pop(key)  # most recently used last
+            segs = _cut(self.entries[key], best)
+        parts = [[(b.kv[i][0][:, :, c : c + n], b.kv[i][1][:, :, c : c + n]) for b, c, n in segs]
+                 for i in range(len(segs[0][0].kv))]
+        if len(segs) == 1:
+            return best, [layer[0] for layer in parts]
+        return best, [(torch.cat([k for k, _ in layer], 2), torch.cat([v for _, v in layer], 2)) for layer in parts]
+
+    def put(self, ids: list[int], kv_from: Any, replaces: list[int] | None = None) -> None:
+        """Keep `ids`' KV. kv_from(start) -> [(keys, values)] per layer of ids[start:] ([1, H, n, D]),
+        called only for what no entry holds. `replaces` names an entry it extends (dropped: every
+        lookup that entry served, this one serves as well)."""
         key = tuple(ids)
         if self.max_tokens <= 0 or len(key) > self.max_tokens or not key:
             return
         with self._lock:
+            if key in self.entries:  # the same ids under the same weights: the same KV
+                self.entries[key] = self.entries.pop(key)
+                if replaces is not None and tuple(replaces) in self.entries and tuple(replaces) != key:
+                    self._drop(tuple(replaces))
+                return
+            n, other = self._longest(key, len(key))
+            if n < min(self.MIN_SHARED, len(key)):
+                n, other = 0, None
+            segs = _cut(self.entries[other], n) if other is not None else []
+            if n < len(key):
+                block = _Block(kv_from(n), len(key) - n)
+                segs.append((block, 0, block.tokens))
+                self.tokens += block.tokens
+            for b in {id(b): b for b, _, _ in segs}.values():
+                b.refs += 1
+            self.entries[key] = segs
             if replaces is not None and tuple(replaces) in self.entries and tuple(replaces) != key:
-                self.tokens -= len(replaces)
-                del self.entries[tuple(replaces)]
-            if key in self.entries:
-                self.tokens -= len(key)
-                del self.entries[key]
-            self.entries[key] = kv
-            self.tokens += len(key)
-            while self.tokens > self.max_tokens:
-                old = next(iter(self.entries))
-                self.tokens -= len(old)
-                del self.entries[old]
+                self._drop(tuple(replaces))
+            while self.tokens > self.max_tokens and self.entries:
+                self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        for b in {id(b): b for b, _, _ in self.entries.pop(key)}.values():
+            b.refs -= 1
+            if b.refs == 0:
+                self.tokens -= b.tokens
+
+
+def _cut(segs: list[_Segment], n: int) -> list[_Segment]:
+    """The segments covering the first n columns."""
+    out, have = [], 0
+    for b, c, m in segs:
+        if have >= n:
+            break
+        take = min(m, n - have)
+        out.append((b, c, take))
+        have += take
+    return out

@@ -44,7 +44,7 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
         # under torchrun, where the copy must stay whole while FSDP shards the policy
         return HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings,
                         precision=cfg.train.precision, weights="copy", share_weights=not _distributed(),
-                        threads=threads)
+                        threads=threads, lean=r.lean_decode)
     if kind == "vllm":
         from actloop.rollout.vllm_engine import VLLMEngine
 

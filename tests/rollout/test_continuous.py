@@ -94,16 +94,54 @@ def test_errors_reach_the_request_and_the_engine_goes_on():
     engine.close()
 
 
+def _kv_of(ids):
+    """A fake one-layer KV whose column j holds token ids[j], so a lookup shows which tokens it returned."""
+    t = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
+    return lambda start: [(t[:, :, start:].clone(), -t[:, :, start:].clone())]
+
+
 def test_prefix_cache_lookup_and_eviction():
-    kv = lambda n: [(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2))]  # noqa: E731
     cache = PrefixCache(max_tokens=10)
-    cache.put([1, 2, 3, 4], kv(4))
-    cache.put([1, 2, 9], kv(3))
+    cache.put([1, 2, 3, 4], _kv_of([1, 2, 3, 4]))
+    cache.put([1, 2, 9], _kv_of([1, 2, 9]))
     assert cache.lookup([1, 2, 3, 4, 5])[0] == 4
     assert cache.lookup([1, 2, 3, 4])[0] == 3  # the last prompt token is always fed
-    assert cache.lookup([7, 1])[0] == 0
-    cache.put([5, 5, 5, 5, 5], kv(5))  # 12 tokens > 10: the least recently used goes
+    assert cache.lookup([7, 1])[0] == (0, None)[0]
+    cache.put([5, 5, 5, 5, 5], _kv_of([5] * 5))  # 12 tokens > 10: the least recently used goes
     assert cache.tokens <= 10 and (1, 2, 9) not in cache.entries
+
+
+def test_prefix_cache_entries_share_their_common_prefix():
+    PrefixCache.MIN_SHARED, saved = 2, PrefixCache.MIN_SHARED
+    try:
+        cache = PrefixCache(max_tokens=100)
+        prompt = [1, 2, 3, 4, 5, 6]
+        asked = []
+
+        def kv_from(ids):
+            f = _kv_of(ids)
+            return lambda start: asked.append(start) or f(start)
+
+        cache.put(prompt, kv_from(prompt))
+        for c in ([7, 8], [9], [7, 10, 11]):  # a group's completions of one prompt
+            cache.put(prompt + c, kv_from(prompt + c), replaces=prompt)
+        assert asked == [0, 6, 6, 7]  # each stored only what no entry held
+        assert cache.tokens == 6 + 2 + 1 + 2 and prompt not in [list(k) for k in cache.entries]
+        P, kv = cache.lookup(prompt + [7, 10, 11, 99])  # two segments, concatenated
+        assert P == 9 and kv[0][0].flatten().tolist() == prompt + [7, 10, 11]
+        assert kv[0][1].flatten().tolist() == [-t for t in prompt + [7, 10, 11]]
+        cache.put(prompt + [9], kv_from(prompt + [9]))  # held already: nothing copied
+        cache.put(prompt[:4], kv_from(prompt[:4]))  # a prefix of an entry: views, nothing copied
+        assert asked == [0, 6, 6, 7] and cache.tokens == 11
+        assert cache.lookup(prompt[:4] + [0])[1][0][0].flatten().tolist() == prompt[:4]
+        # the budget counts each block once, while any entry points into it
+        for key in [k for k in cache.entries if k != tuple(prompt[:4])]:
+            cache._drop(key)
+        assert list(cache.entries) == [tuple(prompt[:4])] and cache.tokens == 6  # the prompt's block stays
+        cache._drop(tuple(prompt[:4]))
+        assert cache.tokens == 0
+    finally:
+        PrefixCache.MIN_SHARED = saved
 
 
 def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():

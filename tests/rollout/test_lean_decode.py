@@ -1,0 +1,116 @@
+"""The lean decode forward against transformers' own forward, on tiny random models of each family."""
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
+from transformers.cache_utils import DynamicCache
+
+from actloop.rollout.lean_decode import attention_mask, lean_forward, lean_supported
+from actloop.rollout.small_matmul import use_small_batch_linears
+
+_COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True)
+
+
+def _model(cls, **kw):
+    torch.manual_seed(0)
+    cfg = cls(**{**_COMMON, **kw})
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+FAMILIES = {
+    "llama": lambda: _model(LlamaConfig),
+    "llama-bias-rope-scaling": lambda: _model(LlamaConfig, attention_bias=True,
+                                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2": lambda: _model(Qwen2Config),
+    "qwen3": lambda: _model(Qwen3Config, head_dim=16),
+    "mistral": lambda: _model(MistralConfig, sliding_window=None),
+}
+
+
+def _hf(model, ids, mask, pos, cache):
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits, out.past_key_values
+
+
+def _copy(cache):
+    return DynamicCache([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.no_grad()
+def test_prefill_and_padded_decode_match_transformers(family):
+    model = FAMILIES[family]()
+    assert lean_supported(model) == "", lean_supported(model)
+    g = torch.Generator().manual_seed(1)
+    # prefill one row of 7 tokens after a cached 5-token prefix
+    prefix = torch.randint(0, 97, (1, 5), generator=g)
+    _, cache = _hf(model, prefix, torch.ones(1, 5, dtype=torch.long), torch.arange(5)[None], None)
+    suffix = torch.randint(0, 97, (1, 7), generator=g)
+    args = (suffix, torch.ones(1, 12, dtype=torch.long), torch.arange(5, 12)[None])
+    ref_logits, ref_cache = _hf(model, *args, _copy(cache))
+    logits = lean_forward(model, *args, _copy(cache)).logits
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    # a batch of 3 left-padded rows (2, 0 and 4 pads), prefilled without a cache, then 3 decode steps
+    lens = [6, 8, 4]
+    L = max(lens)
+    ids = torch.zeros((3, L), dtype=torch.long)
+    mask = torch.zeros((3, L), dtype=torch.long)
+    pos = torch.zeros((3, L), dtype=torch.long)
+    for i, n in enumerate(lens):
+        ids[i, L - n:] = torch.randint(1, 97, (n,), generator=g)
+        mask[i, L - n:] = 1
+        pos[i, L - n:] = torch.arange(n)
+    ref_logits, ref_cache = _hf(model, ids, mask, pos, None)
+    out = lean_forward(model, ids, mask, pos, None)
+    lean_cache = out.past_key_values
+    for i, n in enumerate(lens):  # the padded positions' outputs are never read; the rows' last ones are
+        torch.testing.assert_close(out.logits[i], ref_logits[i], atol=1e-5, rtol=1e-5)
+    next_pos = torch.tensor([[n] for n in lens])
+    for _ in range(3):
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)  # [3, 1]
+        mask = torch.cat([mask, torch.ones((3, 1), dtype=torch.long)], 1)
+        ref_logits, ref_cache = _hf(model, tok, mask, next_pos, ref_cache)
+        out = lean_forward(model, tok, mask, next_pos, lean_cache)
+        lean_cache = out.past_key_values
+        torch.testing.assert_close(out.logits, ref_logits, atol=1e-5, rtol=1e-5)
+        for a, b in zip(lean_cache.layers, ref_cache.layers):
+            real = mask[:, :, None].bool()  # [3, L, 1]: compare the real keys only
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                torch.testing.assert_close(x.transpose(1, 2)[real[..., 0]], y.transpose(1, 2)[real[..., 0]],
+                                           atol=1e-5, rtol=1e-5)
+        next_pos = next_pos + 1
+
+
+@torch.no_grad()
+def test_it_matches_with_the_engines_small_batch_linears_and_in_bf16():
+    model = FAMILIES["qwen3"]()
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask, pos = torch.ones_like(ids), torch.arange(6).expand(2, 6)
+    ref, _ = _hf(model, ids, mask, pos, None)
+    use_small_batch_linears(model)  # the engine's fp32 copy: the AVX2 kernel where it builds
+    torch.testing.assert_close(lean_forward(model, ids, mask, pos, None).logits, ref, atol=1e-4, rtol=1e-4)
+    model.to(torch.bfloat16)
+    ref16, _ = _hf(model, ids, mask, pos, None)
+    lean16 = lean_forward(model, ids, mask, pos, None).logits
+    assert lean16.dtype == torch.bfloat16
+    torch.testing.assert_close(lean16.float(), ref16.float(), atol=0.05, rtol=0.02)
+
+
+def test_models_it_does_not_cover_say_why():
+    sliding = _model(MistralConfig, sliding_window=4)
+    assert "sliding" in lean_supported(sliding)
+    moe = _model(Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert "qwen3_moe" in lean_supported(moe)
+
+
+def test_the_mask_is_causal_over_the_new_queries_and_hides_padding():
+    m = attention_mask(torch.tensor([[0, 1, 1, 1]]), 2)  # 1 pad, 1 cached key, 2 new queries
+    assert m.shape == (1, 1, 2, 4)
+    assert m[0, 0].tolist() == [[False, True, True, False], [False, True, True, True]]
+    pads = attention_mask(torch.tensor([[0, 0, 1]]), 3)  # a padded query still sees itself (no NaN rows)
+    assert pads[0, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
+    assert attention_mask(torch.tensor([[0, 1, 1]]), 1)[0, 0].tolist() == [[False, True, True]]
