@@ -269,7 +269,8 @@ class HFEngine(EngineBase):
     plain policy (`train.precision` fp32, or auto on a CPU without native bf16) would equal the
     trainer's weights: with `share_weights` its modules hold the trainer's own tensors (no second
     copy in memory, `sync_weights` has nothing to copy, `sleep` frees nothing). fp32 copies decode
-    through `SmallBatchLinear` (`rollout/small_matmul.py`).
+    through `SmallBatchLinear` (`rollout/small_matmul.py`). A copy of a Llama / Qwen2 / Qwen3 /
+    Mistral decoder runs `lean_forward` (`rollout/lean_decode.py`, `lean=False`: transformers').
     weights="live" samples from the trainer's module itself (exactness in tests).
 
     Continuous batching: one decode thread owns the model. `submit(prompt, params)` queues a
@@ -290,7 +291,8 @@ class HFEngine(EngineBase):
     Prefix cache: the KV of every prefilled prompt, and of every finished prompt + completion,
     is kept (least recently used first out, `prefix_cache_tokens` in all), so a group's G
     copies of a prompt, a shared system prompt, and an agent's next call (previous prompt +
-    sampled ids + tool result) prefill only what is new. It is emptied by `sync_weights` and
+    sampled ids + tool result) prefill only what is new; entries hold their common prefixes
+    once (`PrefixCache`). It is emptied by `sync_weights` and
     `sleep` (the trainer calls it before every update): entries never outlive the weights.
     """
 

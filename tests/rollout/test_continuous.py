@@ -94,6 +94,25 @@ def test_errors_reach_the_request_and_the_engine_goes_on():
     engine.close()
 
 
+def test_a_group_holds_its_prompt_once_and_the_next_calls_read_the_shared_entries_exactly():
+    """A group of completions of one long prompt, then each one's next call (prompt + sampled ids +
+    a tool result), as an agent makes it: the cache stores the prompt's KV once, the next calls
+    reuse it and their own completion, and every log-prob equals a fresh trainer forward."""
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(), precision="fp32", weights="copy")
+    prompt = [(7 * i) % 59 + 1 for i in range(24)]
+    group = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=8))
+    keys = [prompt + list(c.token_ids[:-1]) for c in group]  # what each finished row left (its last id was never fed)
+    distinct = len({tuple(k[: i + 1]) for k in keys for i in range(len(k))})  # every shared column once
+    assert engine.prefix_cache.tokens == distinct <= len(prompt) + 4 * 7, (engine.prefix_cache.tokens, distinct)
+    nxt = [prompt + list(c.token_ids) + [3, 4, 5] for c in group]
+    before = engine.stats["reused_tokens"]
+    second = engine.generate(nxt, SamplingParams(max_new_tokens=5))
+    assert engine.stats["reused_tokens"] - before == 4 * (len(prompt) + 7)
+    assert _max_diff(model, [prompt] * 4, group) < 1e-4 and _max_diff(model, nxt, second) < 1e-4
+    engine.close()
+
+
 def _kv_of(ids):
     """A fake one-layer KV whose column j holds token ids[j], so a lookup shows which tokens it returned."""
     t = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
