@@ -6,8 +6,9 @@ that step's batch under each `train.max_tokens_per_microbatch` of --budgets, alt
 order flips every repeat), from the same weights and optimizer state (restored before each timed
 update; the run then goes on with the weights of the last one). It counts what each budget's
 micro-batches run: micro-batches, prompts run (`prefix_plan`: one per distinct prefix of a
-micro-batch) and token positions (each prefix once + rows x the longest suffix), and reads the
-RSS high-water mark of each update (reset before it).
+micro-batch) and token positions (each prefix once + rows x the longest suffix, as
+`hidden_at_targets` runs a full-attention model), and reads the RSS high-water mark of each
+update (reset before it).
 
     python benchmarks/update_microbatches.py --steps 6 --budgets 4096 16384
     python benchmarks/update_microbatches.py --steps 4 -- train.gradient_checkpointing=false
