@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -42,12 +43,29 @@ from actloop.models.resolve import cache_dir
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # above this the kernel is no faster than MKL (32 rows: 159-183 vs 161-202 ms)
-SOURCE = Path(__file__).with_name("small_linear.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+MAX_ROWS = 16  # above this the fp32 kernel is no faster than MKL (32 rows: 159-183 vs 161-202 ms)
+MAX_ROWS_BF16 = 16  # the bf16 kernel against oneDNN: see `max_rows`
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C source, the compiler flags it needs, the CPU flags (/proc/cpuinfo) it runs on, its symbol."""
+
+    source: str
+    symbol: str
+    flags: tuple[str, ...]
+    cpu: tuple[str, ...]
+
+
+COMMON = ("-O3", "-fopenmp", "-shared", "-fPIC")
+KERNELS = {
+    torch.float32: Kernel("small_linear.c", "actloop_small_linear", ("-mavx2", "-mfma", *COMMON), ("avx2", "fma")),
+    torch.bfloat16: Kernel("small_linear_bf16.c", "actloop_small_linear_bf16",
+                           ("-mavx512f", "-mavx512bw", "-mavx512bf16", *COMMON), ("avx512f", "avx512bw", "avx512_bf16")),
+}
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "fn": the loaded kernel or None, "why": the reason it is None
+_state: dict[torch.dtype, tuple[Callable | None, str]] = {}  # dtype -> (the loaded kernel or None, why it is None)
 
 
 def _cpu_flags() -> set[str]:
@@ -60,60 +78,75 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build() -> tuple[Callable | None, str]:
+def _build(kernel: Kernel) -> tuple[Callable | None, str]:
     if os.environ.get("ACTLOOP_CPU_KERNELS", "1") == "0":
         return None, "ACTLOOP_CPU_KERNELS=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"built for Linux x86-64 only (this is {platform.system()} {platform.machine()})"
-    if not {"avx2", "fma"} <= _cpu_flags():
-        return None, "the CPU has no AVX2 + FMA"
+    missing = [f for f in kernel.cpu if f not in _cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return None, f"no C compiler (`{cc}` not found; set CC)"
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    lib = cache_dir() / "kernels" / f"small_linear-{key}.so"
+    src = Path(__file__).with_name(kernel.source).read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
+    lib = cache_dir() / "kernels" / f"{Path(kernel.source).stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, renamed in: no half-written .so
             out = Path(tmp) / lib.name
-            res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            res = subprocess.run([cc, *kernel.flags, str(Path(__file__).with_name(kernel.source)), "-o", str(out)],
+                                 capture_output=True, text=True)
             if res.returncode != 0:
                 return None, f"`{cc}` failed: {res.stderr.strip()[-500:]}"
             os.replace(out, lib)
-    fn = ctypes.CDLL(str(lib)).actloop_small_linear
+    fn = getattr(ctypes.CDLL(str(lib)), kernel.symbol)
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     fn.restype = None
     return fn, ""
 
 
-def small_linear() -> Callable | None:
-    """The kernel, `fn(x_ptr, w_ptr, bias_ptr_or_None, y_ptr, M, N, K)`, or None (see the module)."""
-    if "fn" not in _state:
+def small_linear(dtype: torch.dtype = torch.float32) -> Callable | None:
+    """The kernel for `dtype` (fp32 or bf16), `fn(x_ptr, w_ptr, bias_ptr_or_None, y_ptr, M, N, K)`, or
+    None (see the module; `unavailable_reason(dtype)` says why)."""
+    if dtype not in KERNELS:
+        return None
+    if dtype not in _state:
         with _lock:
-            if "fn" not in _state:
+            if dtype not in _state:
                 try:
-                    fn, why = _build()
+                    fn, why = _build(KERNELS[dtype])
                 except OSError as e:  # an unwritable cache, a library that does not load
                     fn, why = None, f"{type(e).__name__}: {e}"
                 if fn is None:
-                    log.warning("fp32 decode kernel unavailable (%s): decode uses torch's matmul", why)
-                _state["why"] = why
-                _state["fn"] = fn
-    return _state["fn"]  # type: ignore[return-value]
+                    log.warning("%s decode kernel unavailable (%s): decode uses torch's matmul", _NAMES[dtype], why)
+                _state[dtype] = (fn, why)
+    return _state[dtype][0]
 
 
-def unavailable_reason() -> str:
-    small_linear()
-    return str(_state["why"])
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
+    if dtype not in KERNELS:
+        return f"no kernel for {dtype}"
+    small_linear(dtype)
+    return _state[dtype][1]
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Most rows the kernel for `dtype` takes (above it torch's GEMM is as fast)."""
+    return MAX_ROWS_BF16 if dtype == torch.bfloat16 else MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T + bias -> [M, N] through the kernel: fp32, contiguous, on the CPU,
-    1 <= M <= MAX_ROWS, and `small_linear()` not None (the caller checks)."""
-    fn = small_linear()
+    """x [M, K] @ weight[N, K]^T + bias -> [M, N] through the kernel of x's dtype: fp32 or bf16 (all three
+    alike), contiguous, on the CPU, 1 <= M <= max_rows(dtype), and `small_linear(dtype)` not None (the
+    caller checks)."""
+    fn = small_linear(x.dtype)
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty((M, N), dtype=torch.float32)
+    y = torch.empty((M, N), dtype=x.dtype)
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
     return y

@@ -323,8 +323,7 @@ class HFEngine(EngineBase):
                     self.model.to(torch.bfloat16)
                 for p in self.model.parameters():
                     p.requires_grad_(False)
-            if not use_bf16(precision):
-                use_small_batch_linears(self.model)  # fp32 decode on the CPU: rollout/small_matmul.py
+            use_small_batch_linears(self.model)  # fp32 / bf16 decode on the CPU: rollout/small_matmul.py
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
         self.asleep = False  # sleep() released the copy's storage
         self._cache_kw = cache_kwarg(self.model)

@@ -6,7 +6,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
                           Qwen3MoeConfig)
 from transformers.cache_utils import DynamicCache
 
-from actloop.rollout.lean_decode import attention_mask, lean_forward, lean_supported
+from actloop.rollout.lean_decode import attention, attention_mask, lean_forward, lean_supported
 from actloop.rollout.small_matmul import use_small_batch_linears
 
 _COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -95,9 +95,31 @@ def test_it_matches_with_the_engines_small_batch_linears_and_in_bf16():
     torch.testing.assert_close(lean_forward(model, ids, mask, pos, None).logits, ref, atol=1e-4, rtol=1e-4)
     model.to(torch.bfloat16)
     ref16, _ = _hf(model, ids, mask, pos, None)
-    lean16 = lean_forward(model, ids, mask, pos, None).logits
+    out16 = lean_forward(model, ids, mask, pos, DynamicCache(config=model.config))
+    lean16 = out16.logits
     assert lean16.dtype == torch.bfloat16
     torch.testing.assert_close(lean16.float(), ref16.float(), atol=0.05, rtol=0.02)
+    # a bf16 decode step (one query per row: the fp32 attention path and the bf16 kernel's rows)
+    nxt = lean16[:, -1].argmax(-1)[:, None]  # [2, 1]
+    mask2, pos2 = torch.ones((2, 7), dtype=torch.long), torch.full((2, 1), 6)
+    step_ref, _ = _hf(model, torch.cat([ids, nxt], 1), mask2, torch.arange(7).expand(2, 7), None)
+    step16 = lean_forward(model, nxt, mask2, pos2, out16.past_key_values).logits
+    torch.testing.assert_close(step16.float(), step_ref.float(), atol=0.05, rtol=0.02)
+
+
+def test_one_bf16_query_attends_in_fp32_as_sdpa_does():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 1, 16, generator=g).bfloat16()  # [B, heads, 1, D]
+    k, v = (torch.randn(3, 2, 9, 16, generator=g).bfloat16() for _ in range(2))  # [B, kv_heads, L, D]
+    mask = attention_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9, [0] * 8 + [1]]), 1)  # left padding
+    got = attention(q, k, v, mask, 0.25)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 6, 1, 16)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=2 ** -7)
+    # the padded keys of row 0 do not count: its output is the same without them
+    alone = attention(q[:1], k[:1, :, 2:], v[:1, :, 2:], torch.ones((1, 1, 1, 7), dtype=torch.bool), 0.25)
+    torch.testing.assert_close(got[:1], alone, atol=1e-2, rtol=2 ** -7)
 
 
 def test_models_it_does_not_cover_say_why():
