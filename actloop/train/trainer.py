@@ -37,7 +37,7 @@ from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import component_means, evaluate, run_batched
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
-from actloop.train.memory import PhasePeaks, mmap_threshold, set_mmap_threshold
+from actloop.train.memory import PhasePeaks, frozen_gc, mmap_threshold, set_mmap_threshold
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
 from actloop.train.optim import adamw, drop_state
@@ -402,7 +402,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     update_mmap_mb = 0.0 if cfg.train.mmap_threshold_mb else cfg.train.update_mmap_threshold_mb
     bar = _progress(cfg.train.steps, progress)
     stop_msg, requested, last = None, None, start - 1
-    with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar:
+    with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar, frozen_gc():  # setup's objects: no GC walks
         task_id = bar.add_task("train", total=cfg.train.steps, completed=start - 1, reward=0.0, success=0.0)
         for step in range(start, cfg.train.steps + 1):
             t0 = time.time()
