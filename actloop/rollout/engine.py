@@ -599,21 +599,24 @@ class HFEngine(EngineBase):
         the row and its KV cache, to join the decode batch; None when that token finished it."""
         device = next(self.model.parameters()).device
         prompt = req.prompt
-        P, cached = self.prefix_cache.lookup(prompt)
-        cache = None
-        if P > 0:
-            cache = _cache_from(cached, P)
-        suffix = torch.tensor([prompt[P:]], device=device)
         n = len(prompt)
-        out = self._forward_cb(suffix, torch.ones((1, n), dtype=torch.long, device=device),
-                            torch.arange(P, n, device=device)[None], cache)
-        cache = output_cache(out)
-        self.stats["prefill_tokens"] += n - P
-        self.stats["reused_tokens"] += P
         self.stats["admitted"] += 1
-        self.prefix_cache.put(prompt, lambda start: _layers_of(cache, 0, start))
+        if (held := self.prefix_cache.lookup_whole(prompt)) is not None:  # a prompt prefilled before: no forward
+            cache, logits = _cache_from(held[0], n), held[1][None]  # logits [1, V]
+            self.stats["reused_tokens"] += n
+        else:
+            P, cached = self.prefix_cache.lookup(prompt)
+            cache = _cache_from(cached, P) if P > 0 else None
+            suffix = torch.tensor([prompt[P:]], device=device)
+            out = self._forward_cb(suffix, torch.ones((1, n), dtype=torch.long, device=device),
+                                   torch.arange(P, n, device=device)[None], cache)
+            cache, logits = output_cache(out), out.logits[:, -1]
+            self.stats["prefill_tokens"] += n - P
+            self.stats["reused_tokens"] += P
+            self.prefix_cache.put(prompt, lambda start: _layers_of(cache, 0, start))
+            self.prefix_cache.put_logits(prompt, logits[0])
         row = _Row(req, next_pos=n)
-        tok, lp = sample_next(out.logits[:, -1], req.params)
+        tok, lp = sample_next(logits, req.params)
         reason = self._take(row, int(tok[0]), float(lp[0]))
         if reason is not None:
             self._resolve(row, reason)
@@ -816,17 +819,39 @@ class PrefixCache:
     so the default 16384 tokens are at most 0.75 GB)."""
 
     MIN_SHARED = 16  # a shorter common prefix is copied (a segment costs a concatenation at lookup)
+    MAX_LOGITS = 64  # prompts whose next-token logits are kept (`put_logits`): [V] each, 98 KB in bf16 for 49k
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.entries: dict[tuple[int, ...], list[_Segment]] = {}
+        self.logits: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> logits [V] after its last token, LRU
         self.tokens = 0  # of stored KV, each block once
         self._lock = threading.Lock()
 
     def clear(self) -> None:
         with self._lock:
             self.entries.clear()
+            self.logits.clear()
             self.tokens = 0
+
+    def put_logits(self, ids: list[int], logits: torch.Tensor) -> None:
+        """Keep the logits [V] that follow `ids`: the next request with exactly this prompt (a GRPO
+        group's other G - 1 samples) is prefilled from the cache alone, with no forward."""
+        with self._lock:
+            self.logits.pop(tuple(ids), None)
+            self.logits[tuple(ids)] = logits
+            while len(self.logits) > self.MAX_LOGITS:
+                self.logits.pop(next(iter(self.logits)))
+
+    def lookup_whole(self, prompt: list[int]) -> tuple[Any, torch.Tensor] | None:
+        """(KV of all of `prompt` per layer, the logits [V] after it) when both are held, else None."""
+        with self._lock:
+            logits = self.logits.get(tuple(prompt))
+            if logits is None:
+                return None
+            self.logits[tuple(prompt)] = self.logits.pop(tuple(prompt))
+        P, kv = self.lookup(prompt, whole=True)
+        return (kv, logits) if P == len(prompt) else None
 
     def _longest(self, ids: list[int] | tuple[int, ...], cap: int) -> tuple[int, tuple[int, ...] | None]:
         best, best_key = 0, None
@@ -838,10 +863,11 @@ class PrefixCache:
                 best, best_key = n, key
         return best, best_key
 
-    def lookup(self, prompt: list[int]) -> tuple[int, Any]:
-        """(P, [(keys, values)] per layer, [1, H, P, D] each) for the longest cached prefix; (0, None) if none."""
+    def lookup(self, prompt: list[int], whole: bool = False) -> tuple[int, Any]:
+        """(P, [(keys, values)] per layer, [1, H, P, D] each) for the longest cached prefix; (0, None) if none.
+        P < len(prompt) unless `whole`: the last token is fed to get the next token's logits."""
         with self._lock:
-            best, key = self._longest(prompt, len(prompt) - 1)
+            best, key = self._longest(prompt, len(prompt) - (0 if whole else 1))
             if key is None:
                 return 0, None
             self.entries[key] = self.entries.pop(key)  # most recently used last

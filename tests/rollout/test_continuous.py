@@ -113,6 +113,29 @@ def test_a_group_holds_its_prompt_once_and_the_next_calls_read_the_shared_entrie
     engine.close()
 
 
+def test_a_groups_other_samples_are_prefilled_from_the_cache_without_a_forward():
+    """G requests of one prompt: the first is prefilled (a forward), the other G - 1 take its KV and
+    its next-token logits from the cache; every row's log-probs still equal the trainer's, and after
+    a weight sync the prompt is computed again."""
+    model = _tiny()
+    engine = HFEngine(model, None, eos_token_ids=(), precision="fp32", weights="copy")
+    calls = []
+    real = engine._forward_cb
+    engine._forward_cb = lambda ids, *a: calls.append(ids.shape) or real(ids, *a)
+    prompt = [(5 * i) % 59 + 1 for i in range(20)]
+    firsts = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=1))  # prefill only: no decode step
+    assert calls == [(1, 20)] and engine.stats["prefill_tokens"] == 20 and engine.stats["reused_tokens"] == 3 * 20
+    assert len({c.logprobs[0] for c in firsts if c.token_ids == firsts[0].token_ids}) == 1
+    group = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=9))
+    assert len(calls) == 1 + 8 and set(calls[1:]) == {(4, 1)}  # 8 decode steps of the 4 rows, no prefill forward
+    assert _max_diff(model, [prompt] * 4, firsts) < 1e-4 and _max_diff(model, [prompt] * 4, group) < 1e-4
+    engine.sync_weights(model)  # new weights: the held logits go with the KV
+    calls.clear()
+    engine.generate([prompt] * 2, SamplingParams(max_new_tokens=1))
+    assert calls == [(1, 20)]
+    engine.close()
+
+
 def _kv_of(ids):
     """A fake one-layer KV whose column j holds token ids[j], so a lookup shows which tokens it returned."""
     t = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
