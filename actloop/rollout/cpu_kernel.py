@@ -35,7 +35,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,27 +45,38 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # above this the fp32 kernel is no faster than MKL (32 rows: 159-183 vs 161-202 ms)
 MAX_ROWS_BF16 = 16  # the bf16 kernel against oneDNN: see `max_rows`
+MAX_HEAD_DIM = 256  # decode_attention_bf16.c's MAXD
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """One C source, the compiler flags it needs, the CPU flags (/proc/cpuinfo) it runs on, its symbol."""
+    """One C source, the compiler flags it needs, the CPU flags (/proc/cpuinfo) it runs on, its
+    symbol and the symbol's argument types."""
 
     source: str
     symbol: str
     flags: tuple[str, ...]
     cpu: tuple[str, ...]
+    argtypes: tuple[Any, ...]
 
 
 COMMON = ("-O3", "-fopenmp", "-shared", "-fPIC")
+AVX512_BF16 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 KERNELS = {
-    torch.float32: Kernel("small_linear.c", "actloop_small_linear", ("-mavx2", "-mfma", *COMMON), ("avx2", "fma")),
-    torch.bfloat16: Kernel("small_linear_bf16.c", "actloop_small_linear_bf16",
-                           ("-mavx512f", "-mavx512bw", "-mavx512bf16", *COMMON), ("avx512f", "avx512bw", "avx512_bf16")),
+    "linear_fp32": Kernel("small_linear.c", "actloop_small_linear", ("-mavx2", "-mfma", *COMMON), ("avx2", "fma"),
+                          (_P,) * 4 + (_I,) * 3),
+    "linear_bf16": Kernel("small_linear_bf16.c", "actloop_small_linear_bf16", (*AVX512_BF16, *COMMON),
+                          ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (_P,) * 4 + (_I,) * 3),
+    "attention_bf16": Kernel("decode_attention_bf16.c", "actloop_decode_attention_bf16",
+                             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", *COMMON), ("avx512f", "avx512bw", "avx512vl"),
+                             (_P,) * 6 + (_I,) * 13 + (_F,)),
 }
+LINEAR = {torch.float32: "linear_fp32", torch.bfloat16: "linear_bf16"}
 
 _lock = threading.Lock()
-_state: dict[torch.dtype, tuple[Callable | None, str]] = {}  # dtype -> (the loaded kernel or None, why it is None)
+_state: dict[str, tuple[Callable | None, str]] = {}  # kernel name -> (the loaded kernel or None, why it is None)
 
 
 def _cpu_flags() -> set[str]:
@@ -89,54 +100,55 @@ def _build(kernel: Kernel) -> tuple[Callable | None, str]:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return None, f"no C compiler (`{cc}` not found; set CC)"
-    src = Path(__file__).with_name(kernel.source).read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
-    lib = cache_dir() / "kernels" / f"{Path(kernel.source).stem}-{key}.so"
+    source = Path(__file__).with_name(kernel.source)
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
+    lib = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, renamed in: no half-written .so
             out = Path(tmp) / lib.name
-            res = subprocess.run([cc, *kernel.flags, str(Path(__file__).with_name(kernel.source)), "-o", str(out)],
-                                 capture_output=True, text=True)
+            res = subprocess.run([cc, *kernel.flags, str(source), "-o", str(out)], capture_output=True, text=True)
             if res.returncode != 0:
                 return None, f"`{cc}` failed: {res.stderr.strip()[-500:]}"
             os.replace(out, lib)
     fn = getattr(ctypes.CDLL(str(lib)), kernel.symbol)
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.argtypes = list(kernel.argtypes)
     fn.restype = None
     return fn, ""
 
 
-def small_linear(dtype: torch.dtype = torch.float32) -> Callable | None:
-    """The kernel for `dtype` (fp32 or bf16), `fn(x_ptr, w_ptr, bias_ptr_or_None, y_ptr, M, N, K)`, or
-    None (see the module; `unavailable_reason(dtype)` says why)."""
-    if dtype not in KERNELS:
-        return None
-    if dtype not in _state:
+def load(name: str) -> Callable | None:
+    """The kernel `name` of KERNELS, built on first use, or None (`reason(name)` says why)."""
+    if name not in _state:
         with _lock:
-            if dtype not in _state:
+            if name not in _state:
                 try:
-                    fn, why = _build(KERNELS[dtype])
+                    fn, why = _build(KERNELS[name])
                 except OSError as e:  # an unwritable cache, a library that does not load
                     fn, why = None, f"{type(e).__name__}: {e}"
                 if fn is None:
-                    log.warning("%s decode kernel unavailable (%s): decode uses torch's matmul", _NAMES[dtype], why)
-                _state[dtype] = (fn, why)
-    return _state[dtype][0]
+                    log.warning("decode kernel %s unavailable (%s): decode uses torch", name, why)
+                _state[name] = (fn, why)
+    return _state[name][0]
 
 
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+def reason(name: str) -> str:
+    load(name)
+    return _state[name][1]
+
+
+def small_linear(dtype: torch.dtype = torch.float32) -> Callable | None:
+    """The matmul kernel for `dtype` (fp32 or bf16), `fn(x_ptr, w_ptr, bias_ptr_or_None, y_ptr, M, N, K)`,
+    or None (see the module; `unavailable_reason(dtype)` says why)."""
+    return load(LINEAR[dtype]) if dtype in LINEAR else None
 
 
 def unavailable_reason(dtype: torch.dtype = torch.float32) -> str:
-    if dtype not in KERNELS:
-        return f"no kernel for {dtype}"
-    small_linear(dtype)
-    return _state[dtype][1]
+    return reason(LINEAR[dtype]) if dtype in LINEAR else f"no kernel for {dtype}"
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """Most rows the kernel for `dtype` takes (above it torch's GEMM is as fast)."""
+    """Most rows the matmul kernel for `dtype` takes (above it torch's GEMM is as fast)."""
     return MAX_ROWS_BF16 if dtype == torch.bfloat16 else MAX_ROWS
 
 
@@ -150,3 +162,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     y = torch.empty((M, N), dtype=x.dtype)
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
     return y
+
+
+def can_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `attention` takes these: bf16 on the CPU, one query per row, head_dim contiguous and at
+    most MAX_HEAD_DIM, whole groups of query heads per kv head, and the kernel built."""
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[2] == 1
+            and q.shape[-1] <= MAX_HEAD_DIM and q.shape[1] % k.shape[1] == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and load("attention_bf16") is not None)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, 1, D], k / v [B, Hkv, L, D] (bf16, views of the cache), keep [B, L] bool (a real key)
+    -> [B, Hq, 1, D] bf16: softmax(scale q k^T) v over the kept keys, in fp32 (`can_attend` first)."""
+    B, Hq, _, D = q.shape
+    L = k.shape[2]
+    keep = keep.to(torch.uint8).contiguous()
+    out = torch.empty((B, Hq, 1, D), dtype=torch.bfloat16)
+    scratch = torch.empty((B * Hq, L), dtype=torch.float32)
+    load("attention_bf16")(q.data_ptr(), k.data_ptr(), v.data_ptr(), keep.data_ptr(), out.data_ptr(),
+                           scratch.data_ptr(), B, Hq, k.shape[1], L, D, q.stride(0), q.stride(1), k.stride(0),
+                           k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), scale)
+    return out

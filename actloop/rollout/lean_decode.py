@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from actloop.rollout import cpu_kernel
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -99,12 +101,15 @@ def attention_mask(mask: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA of q [B, heads, T, D] over k, v [B, kv_heads, L, D] with a boolean mask. One bf16 query per
-    row on the CPU runs in fp32: torch's bf16 flash kernel for the CPU took 829 us for 8 rows x 9 heads
-    x 140 keys on the 2-core Zen 4 box, against 184 us cast to fp32 and back (30 layers: ~19 ms of a
-    ~94 ms decode step; docs/performance.md)."""
+    """SDPA of q [B, heads, T, D] over k, v [B, kv_heads, L, D] with a boolean mask [B, 1, T, L]. One
+    bf16 query per row on the CPU: actloop's kernel (`cpu_kernel.attention`, fp32 maths over the bf16
+    cache) where it is built, else SDPA in fp32. torch's bf16 flash kernel for the CPU took 829 us for
+    8 rows x 9 heads x 140 keys on the 2-core Zen 4 box, 184 us cast to fp32 and back (30 layers:
+    ~19 ms of a ~94 ms decode step; docs/performance.md)."""
     gqa = k.shape[1] != q.shape[1]
     if q.shape[2] == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        if mask.shape[1] == 1 and cpu_kernel.can_attend(q, k, v):
+            return cpu_kernel.attention(q, k, v, mask.expand(q.shape[0], 1, 1, k.shape[2])[:, 0, 0], scale)
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
                                               enable_gqa=gqa).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

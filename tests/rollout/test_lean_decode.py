@@ -6,6 +6,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
                           Qwen3MoeConfig)
 from transformers.cache_utils import DynamicCache
 
+from actloop.rollout import cpu_kernel
 from actloop.rollout.lean_decode import attention, attention_mask, lean_forward, lean_supported
 from actloop.rollout.small_matmul import use_small_batch_linears
 
@@ -107,13 +108,22 @@ def test_it_matches_with_the_engines_small_batch_linears_and_in_bf16():
     torch.testing.assert_close(step16.float(), step_ref.float(), atol=0.05, rtol=0.02)
 
 
-def test_one_bf16_query_attends_in_fp32_as_sdpa_does():
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("D", [16, 24])  # 24: a head_dim that is not a multiple of the kernel's 16 lanes
+def test_one_bf16_query_attends_in_fp32_as_sdpa_does(kernel, D, monkeypatch):
+    if kernel and not cpu_kernel.can_attend(*(torch.zeros(1, 2, 1, 16, dtype=torch.bfloat16),) * 3):
+        pytest.skip(f"the bf16 decode attention kernel is unavailable here: {cpu_kernel.reason('attention_bf16')}")
+    calls = []
+    real = cpu_kernel.attention
+    monkeypatch.setattr(cpu_kernel, "attention", lambda *a: calls.append(1) or real(*a))
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "can_attend", lambda *a: False)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 6, 1, 16, generator=g).bfloat16()  # [B, heads, 1, D]
-    k, v = (torch.randn(3, 2, 9, 16, generator=g).bfloat16() for _ in range(2))  # [B, kv_heads, L, D]
+    q = torch.randn(3, 1, 6, D, generator=g).bfloat16().transpose(1, 2)  # [B, heads, 1, D], as the forward's view
+    k, v = (torch.randn(3, 2, 12, D, generator=g).bfloat16()[:, :, :9] for _ in range(2))  # a slack buffer's columns
     mask = attention_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9, [0] * 8 + [1]]), 1)  # left padding
     got = attention(q, k, v, mask, 0.25)
-    assert got.dtype == torch.bfloat16 and got.shape == (3, 6, 1, 16)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 6, 1, D) and len(calls) == int(kernel)
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                             scale=0.25, enable_gqa=True)
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=2 ** -7)
