@@ -299,8 +299,10 @@ class TrainConfig:
         "logits at once, kept for the backward)."
     )
     attn_implementation: str = opt(
-        "auto", "Attention kernel: `auto` (sdpa; for models with attention sinks such as GPT-OSS, eager, or the hub "
-        "kernel `kernels-community/vllm-flash-attn3` on CUDA where `kernels` is installed), `sdpa`, `eager`, "
+        "auto", "Attention kernel: `auto` (sdpa on CUDA, `actloop_sdpa` on a CPU: sdpa with a matmul path for small "
+        "score tensors, where torch's bf16 CPU kernel is slow; for models with attention sinks such as GPT-OSS, eager, "
+        "or the hub kernel `kernels-community/vllm-flash-attn3` on CUDA where `kernels` is installed), `sdpa`, "
+        "`actloop_sdpa`, `eager`, "
         "`flex_attention`, `flash_attention_2` / `flash_attention_3` (CUDA, flash-attn package); kernels that drop "
         "sinks are refused for sink models (docs/models.md)."
     )

@@ -9,8 +9,10 @@ backward with sinks. Training without sinks while sampling with them is the mism
 retrospective traced its KL and entropy blow-ups to, so a kernel that drops sinks is refused
 here with a message naming the fix, not discovered after a run went wrong.
 
-`auto` (the default of `train.attn_implementation`) picks: sdpa for models without sinks; for sink
-models the hub FA3 sink kernel on a CUDA GPU where `kernels` is installed, else eager.
+`auto` (the default of `train.attn_implementation`) picks: for models without sinks `actloop_sdpa` on
+a CPU (SDPA with a matmul path for small score tensors, where torch's bf16 flash kernel is slow:
+actloop/models/cpu_attention.py) and sdpa on CUDA; for sink models the hub FA3 sink kernel on a
+CUDA GPU where `kernels` is installed, else eager.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from actloop.models import cpu_attention
+
 SINK_MODEL_TYPES = ("gpt_oss",)  # config.model_type of families whose attention has learned sinks
 SINK_KERNEL = "kernels-community/vllm-flash-attn3"  # the CUDA kernel with sinks (fwd + bwd), via `kernels`
 
 ATTN_IMPLEMENTATIONS = {  # name -> (import name of the kernel package, pip name), None = built into torch
     "auto": None,
     "sdpa": None,
+    cpu_attention.NAME: None,
     "eager": None,
     "flex_attention": None,
     "flash_attention_2": ("flash_attn", "flash-attn"),
@@ -60,17 +65,19 @@ def choose_attn_implementation(name: str, config: Any | None = None, *, cuda: bo
     sinks = config is not None and has_sinks(config)
     if name == "auto":
         if not sinks:
-            return "sdpa"
+            return "sdpa" if cuda else cpu_attention.register()
         return SINK_KERNEL if sink_kernel_available(cuda) else "eager"
     if sinks:
         fix = (f"use train.attn_implementation=eager (exact, any device) or auto"
                f"{f' / {SINK_KERNEL} (CUDA, pip install kernels)' if not cuda else f' / {SINK_KERNEL}'}")
         kind = config.model_type
-        if name in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        if name in ("sdpa", cpu_attention.NAME, "flash_attention_2", "flash_attention_3"):
             raise AttentionError(f"attn_implementation={name} has no attention sinks, which {kind} models need "
                                  f"(training without the sinks the model samples with diverges); {fix}")
         if name == "flex_attention" and not cuda:
             raise AttentionError(f"attn_implementation=flex_attention cannot apply {kind}'s attention sinks on CPU; {fix}")
+    if name == cpu_attention.NAME:
+        return cpu_attention.register()
     need = ATTN_IMPLEMENTATIONS[name]
     if name in CUDA_ONLY and not cuda:
         alt = "eager" if sinks else "sdpa"
@@ -95,7 +102,7 @@ def choose_attn_implementation(name: str, config: Any | None = None, *, cuda: bo
 # unpadded sequence gets, whatever the padding layout. Kernels that take no 4-D masks (flash,
 # the hub sink kernel) keep transformers' own masks.
 
-EXPLICIT_MASK_KERNELS = ("eager", "sdpa")
+EXPLICIT_MASK_KERNELS = ("eager", "sdpa", cpu_attention.NAME)
 
 
 def sliding_window(config: Any) -> int | None:

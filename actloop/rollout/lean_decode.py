@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from actloop.models import cpu_attention
 from actloop.rollout import cpu_kernel
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -50,7 +51,7 @@ def lean_supported(model: Any) -> str:
         return f"model type {kind!r} is not one of {', '.join(FAMILIES)}"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind != "qwen2"):
         return "sliding-window attention"
-    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager", cpu_attention.NAME):
         return f"attention implementation {cfg._attn_implementation!r}"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"

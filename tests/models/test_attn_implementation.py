@@ -31,12 +31,13 @@ def test_flash_attention_needs_cuda(name):
 
 
 def test_auto_picks_sdpa_without_sinks_and_eager_for_sinks_on_cpu():
-    assert choose_attn_implementation("auto", PLAIN, cuda=False) == "sdpa"
+    assert choose_attn_implementation("auto", PLAIN, cuda=False) == "actloop_sdpa"  # sdpa + a small-scores path
+    assert choose_attn_implementation("auto", PLAIN, cuda=True) == "sdpa"
     assert choose_attn_implementation("auto", SINKS, cuda=False) == "eager"
     assert choose_attn_implementation("eager", SINKS, cuda=False) == "eager"
 
 
-@pytest.mark.parametrize("name", ["sdpa", "flash_attention_2", "flash_attention_3"])
+@pytest.mark.parametrize("name", ["sdpa", "actloop_sdpa", "flash_attention_2", "flash_attention_3"])
 @pytest.mark.parametrize("cuda", [False, True])
 def test_kernels_without_sinks_are_refused_for_sink_models(name, cuda):
     with pytest.raises(AttentionError, match=r"sinks.*eager") as e:
