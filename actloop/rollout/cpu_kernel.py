@@ -1,25 +1,28 @@
-"""The fp32 small-batch matmul kernel of CPU decode (`small_linear.c`), built on first use.
+"""actloop's CPU decode kernels, built on first use: an fp32 matmul for few rows (`small_linear.c`,
+AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16) and a bf16 one-query attention
+(`decode_attention_bf16.c`, AVX-512).
 
 A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
-is one pass over the weights per step. MKL's sgemm is far from that pass's memory-bandwidth floor
-for so few rows on an AVX2 CPU; the kernel streams each weight row once and feeds it to all rows
-at once. Measured on the 2-core AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's
-210 decoder matrices plus its [49152, 576] head (540 MB of fp32), ms per pass, alternating in one
-process (`docs/performance.md`):
+is one pass over the weights per step. MKL's sgemm (fp32, AVX2) and oneDNN's bf16 GEMM are far
+from that pass's memory-bandwidth floor for so few rows; the kernels stream each weight row once
+and feed it to all rows at once. Measured on the 2-core AMD EPYC (Zen 3, AVX2) development box, 2
+threads, SmolLM2-135M's 210 decoder matrices plus its [49152, 576] head (540 MB of fp32), ms per
+pass, alternating in one process (`docs/performance.md`):
 
     rows              1       2       8        32
     x W^T (MKL)     58-59   90-96  106-114  161-202
     (W x^T)^T       53-58   33-35   85-98   107-112
     this kernel     19-22   22-26   44-50   159-183
 
-So it takes 1..`MAX_ROWS` rows (`SmallBatchLinear`); a sum over the same 540 MB takes 10-18 ms.
+and in bf16 (270 MB) on the 2-core Zen 4 box (AVX512-BF16): oneDNN 27-31 ms at 1 row, 35-38 at 8,
+40-46 at 16; the bf16 kernel 12-13, 16-18 and 25-31 ms (a sum over the same 270 MB: 9-10 ms).
+So they take 1..`max_rows(dtype)` rows (`SmallBatchLinear`).
 
-The library is compiled with the system C compiler (`$CC`, else `cc`; -O3 -mavx2 -mfma
--fopenmp) into `$ACTLOOP_CACHE/kernels/`, keyed by a hash of the source and flags, once per
-machine, and loaded with ctypes (which releases the GIL during the call). Where it cannot be
-built — not Linux x86-64, a CPU without AVX2 and FMA, no compiler — or `ACTLOOP_CPU_KERNELS=0`,
-`small_linear()` returns None with the reason in `unavailable_reason()` and decode keeps the
-torch path (one warning in the log).
+Each library is compiled with the system C compiler (`$CC`, else `cc`; the flags of its `Kernel`)
+into `$ACTLOOP_CACHE/kernels/`, keyed by a hash of the source and flags, once per machine, and
+loaded with ctypes (which releases the GIL during the call). Where one cannot be built — not Linux
+x86-64, a CPU without its extension, no compiler — or `ACTLOOP_CPU_KERNELS=0`, `load(name)` returns
+None with the reason in `reason(name)` and decode keeps the torch path (one warning in the log).
 """
 
 from __future__ import annotations
