@@ -88,7 +88,9 @@ def now() -> tuple[float, float]:
 
 
 class StepClock(threading.Thread):
-    """Stamps `now()` each time a line is appended to a metrics file (polled every 20 ms)."""
+    """Stamps `now()` each time a line is appended to a metrics file (polled every 20 ms, and once more at
+    `stop()`: a last step whose line landed in the final 20 ms was dropped before, so some runs timed
+    two steps instead of three)."""
 
     def __init__(self, path: Path):
         super().__init__(daemon=True)
@@ -96,15 +98,18 @@ class StepClock(threading.Thread):
 
     def run(self):
         size, lines = -1, 0
-        while not self.done.wait(0.02):
+        while True:
+            stopping = self.done.wait(0.02)  # one last look after stop(): the last line may land just before it
             try:
                 st = self.path.stat().st_size
             except FileNotFoundError:
-                continue
+                st = size
             if st != size:
                 size, n = st, self.path.read_text().count("\n")
                 self.ends += [now()] * (n - lines)
                 lines = n
+            if stopping:
+                return
 
     def stop(self):
         self.done.set()

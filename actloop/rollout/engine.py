@@ -27,7 +27,7 @@ import torch
 from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
 from actloop.models.routing import RoutingTrace, install_routing
 from actloop.rollout.kv import SlackLayer, with_slack
-from actloop.rollout.lean_decode import lean_forward, lean_supported
+from actloop.rollout.lean_decode import fuse_projections, lean_forward, lean_supported
 from actloop.rollout.small_matmul import use_small_batch_linears
 
 log = logging.getLogger(__name__)
@@ -326,6 +326,7 @@ class HFEngine(EngineBase):
             use_small_batch_linears(self.model)  # fp32 / bf16 decode on the CPU: rollout/small_matmul.py
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
         self.asleep = False  # sleep() released the copy's storage
+        self._slept: list[tuple[Any, int]] = []  # (storage, bytes) that sleep() released, for wake()
         self._cache_kw = cache_kwarg(self.model)
         self._layer_masks = uses_layer_masks(self.model)  # sliding-window layers: masks from positions
         self._routing = install_routing(self.model)  # MoE: record each position's experts (routing replay)
@@ -336,6 +337,8 @@ class HFEngine(EngineBase):
         # (rollout/lean_decode.py: the same modules without transformers' per-call machinery)
         why = lean_supported(self.model) if lean and weights == "copy" else "off"
         self.lean = why == ""
+        if self.lean and not self.shared:  # the copy's own weights: q/k/v and gate/up stacked (lean_decode.py)
+            fuse_projections(self.model)
         if lean and why not in ("", "off"):
             log.info("lean decode forward off for this model (%s): transformers' forward", why)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -360,18 +363,21 @@ class HFEngine(EngineBase):
         update's peak need not hold; `sync_weights` brings it back with the new weights."""
         self.prefix_cache.clear()
         if self.weights == "copy" and not self.shared and not self.asleep:
+            storages = {}  # each storage once, with its size: tied weights and fused views share one
             for t in self.model.state_dict().values():
-                t.untyped_storage().resize_(0)
+                storages.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage(), t.untyped_storage().nbytes()))
+            for storage, _ in storages.values():
+                storage.resize_(0)
+            self._slept = list(storages.values())
             self.asleep = True
 
     def wake(self) -> None:
         """Re-allocate a sleeping copy's storage (its values are undefined until `sync_weights`
         copies weights in: that is the caller that wakes it)."""
         if self.asleep:
-            for t in self.model.state_dict().values():
-                storage = t.untyped_storage()
-                if storage.nbytes() == 0:  # tied weights share one storage
-                    storage.resize_(t.numel() * t.element_size())
+            for storage, nbytes in self._slept:
+                storage.resize_(nbytes)
+            self._slept = []
             self.asleep = False
 
     def _check_awake(self) -> None:

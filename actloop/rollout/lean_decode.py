@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from actloop.models import cpu_attention
 from actloop.rollout import cpu_kernel
+from actloop.rollout.small_matmul import SmallBatchLinear, linear
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -116,6 +117,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def fuse_projections(model: Any) -> int:
+    """Give every layer of an engine's own copy one [q + k + v, H] weight and one [gate + up, H] weight
+    whose row blocks are the projections' own weights (the modules' parameters become views into
+    them, so `state_dict`, `sync_weights`, `sleep` and `wake` reach the same storage by the same
+    names): `lean_forward` then runs 4 matmuls a layer instead of 7, each over more rows of W (fewer
+    kernel calls and Python dispatches per decode step). Only for `lean_supported` models whose
+    weights belong to the copy alone (not the trainer's, not autograd's); returns the layers fused."""
+    n = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv, gate_up = _fuse([a.q_proj, a.k_proj, a.v_proj]), _fuse([m.gate_proj, m.up_proj])
+        if qkv is not None and gate_up is not None:
+            a._actloop_fused, m._actloop_fused = qkv, gate_up
+            n += 1
+    return n
+
+
+def _fuse(mods: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """(the stacked weight [sum N, K], the stacked bias or None, each module's N), the modules' weights
+    (and biases) now views into them; None (nothing changed) for modules that do not stack."""
+    ws = [m.weight for m in mods]
+    biases = [m.bias for m in mods]
+    if any(type(m) is not SmallBatchLinear for m in mods) or len({(w.dtype, w.shape[1]) for w in ws}) != 1 \
+            or any(w.requires_grad for w in ws) or (any(b is None for b in biases) and any(b is not None for b in biases)):
+        return None
+    w = torch.cat([t.detach() for t in ws])  # [sum N, K]
+    b = None if biases[0] is None else torch.cat([t.detach() for t in biases])
+    sizes, start = [t.shape[0] for t in ws], 0
+    for mod, size in zip(mods, sizes):
+        mod.weight = torch.nn.Parameter(w[start : start + size], requires_grad=False)
+        if b is not None:
+            mod.bias = torch.nn.Parameter(b[start : start + size], requires_grad=False)
+        start += size
+    return w, b, sizes
+
+
+def _proj(mod: Any, x: torch.Tensor) -> torch.Tensor:
+    """mod(x) for a decode projection, straight to `linear` for the engine's SmallBatchLinears."""
+    return linear(x, mod.weight, mod.bias) if type(mod) is SmallBatchLinear else mod(x)
+
+
 @torch.no_grad()
 def lean_forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> LeanOutput:
     """ids [B, T], mask [B, L] over cache + ids, pos [B, T] position ids, cache a transformers Cache
@@ -136,7 +178,11 @@ def lean_forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.T
         a = layer.self_attn
         h = _rms(x, layer.input_layernorm)
         shape = (B, T, -1, a.head_dim)
-        q, k, v = a.q_proj(h).view(shape), a.k_proj(h).view(shape), a.v_proj(h).view(shape)  # [B, T, heads, D]
+        if (fused := getattr(a, "_actloop_fused", None)) is not None:  # one matmul for q, k and v
+            q, k, v = linear(h, fused[0], fused[1]).split(fused[2], dim=-1)
+        else:
+            q, k, v = _proj(a.q_proj, h), _proj(a.k_proj, h), _proj(a.v_proj, h)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)  # [B, T, heads, D]
         if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head's D
             q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
@@ -144,9 +190,13 @@ def lean_forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.T
         k = k * cos + _rotate_half(k) * sin
         k, v = cache.update(k, v, i)  # [B, kv_heads, L, D]
         o = attention(q, k, v, attn, a.scaling)  # [B, heads, T, D]
-        x = x + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        x = x + _proj(a.o_proj, o.transpose(1, 2).reshape(B, T, -1))
         h = _rms(x, layer.post_attention_layernorm)
         m = layer.mlp
-        x = x + m.down_proj(m.act_fn(m.gate_proj(h)) * m.up_proj(h))
-    logits = model.lm_head(_rms(x[:, -1:], base.norm))  # [B, 1, V]
+        if (fused := getattr(m, "_actloop_fused", None)) is not None:  # one matmul for gate and up
+            gate, up = linear(h, fused[0], fused[1]).split(fused[2], dim=-1)
+        else:
+            gate, up = _proj(m.gate_proj, h), _proj(m.up_proj, h)
+        x = x + _proj(m.down_proj, m.act_fn(gate) * up)
+    logits = _proj(model.lm_head, _rms(x[:, -1:], base.norm))  # [B, 1, V]
     return LeanOutput(logits=logits, past_key_values=cache)

@@ -28,29 +28,35 @@ import torch.nn.functional as F
 from actloop.rollout import cpu_kernel
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, bias) for decode on the CPU without autograd: 1..cpu_kernel.max_rows rows through
+    actloop's kernel of the dtype (fp32: AVX2, bf16: AVX512-BF16), 2..SmallBatchLinear.max_rows fp32 rows
+    as (W x^T)^T; F.linear otherwise (and whenever autograd would need the graph)."""
+    rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] else 0
+    if not (0 < rows <= SmallBatchLinear.max_rows) or x.device.type != "cpu" \
+            or x.dtype not in (torch.float32, torch.bfloat16) or w.dtype != x.dtype \
+            or (bias is not None and bias.dtype != x.dtype) \
+            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+        return F.linear(x, w, bias)
+    if rows <= cpu_kernel.max_rows(x.dtype) and w.is_contiguous() and cpu_kernel.small_linear(x.dtype) is not None:
+        y = cpu_kernel.linear(x.reshape(rows, x.shape[-1]).contiguous(), w,
+                              bias.contiguous() if bias is not None else None)
+        return y.view(*x.shape[:-1], w.shape[0])
+    if rows == 1 or x.dtype != torch.float32:  # bf16: oneDNN's x W^T is the faster form (docs/performance.md)
+        return F.linear(x, w, bias)
+    y = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]: a transposed view
+    if bias is not None:
+        y = y + bias
+    return y.contiguous().view(*x.shape[:-1], w.shape[0])
+
+
 class SmallBatchLinear(torch.nn.Linear):
-    """nn.Linear on the CPU without autograd: 1..cpu_kernel.max_rows rows through actloop's kernel of
-    the dtype (fp32: AVX2, bf16: AVX512-BF16), 2..max_rows fp32 rows as (W x^T)^T; F.linear otherwise."""
+    """nn.Linear whose forward is `linear` above (the decode kernels for few CPU rows)."""
 
     max_rows = 64
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] else 0
-        if not (0 < rows <= self.max_rows) or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) \
-                or w.dtype != x.dtype or (self.bias is not None and self.bias.dtype != x.dtype) \
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-            return F.linear(x, w, self.bias)
-        if rows <= cpu_kernel.max_rows(x.dtype) and w.is_contiguous() and cpu_kernel.small_linear(x.dtype) is not None:
-            bias = self.bias.contiguous() if self.bias is not None else None
-            y = cpu_kernel.linear(x.reshape(rows, x.shape[-1]).contiguous(), w, bias)
-            return y.view(*x.shape[:-1], self.out_features)
-        if rows == 1 or x.dtype != torch.float32:  # bf16: oneDNN's x W^T is the faster form (docs/performance.md)
-            return F.linear(x, w, self.bias)
-        y = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]: a transposed view
-        if self.bias is not None:
-            y = y + self.bias
-        return y.contiguous().view(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
 
 
 def use_small_batch_linears(model: Any) -> int:

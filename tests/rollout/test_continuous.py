@@ -195,6 +195,7 @@ def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():
     try:
         greedy = SamplingParams(max_new_tokens=6, greedy=True)
         before = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+        assert hasattr(engine.model.model.layers[0].self_attn, "_actloop_fused")  # q/k/v views of one weight
         engine.sleep()
         assert all(t.untyped_storage().nbytes() == 0 for t in engine.model.state_dict().values())
         try:

@@ -7,7 +7,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
 from transformers.cache_utils import DynamicCache
 
 from actloop.rollout import cpu_kernel
-from actloop.rollout.lean_decode import attention, attention_mask, lean_forward, lean_supported
+from actloop.rollout.lean_decode import attention, attention_mask, fuse_projections, lean_forward, lean_supported
 from actloop.rollout.small_matmul import use_small_batch_linears
 
 _COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -130,6 +130,34 @@ def test_one_bf16_query_attends_in_fp32_as_sdpa_does(kernel, D, monkeypatch):
     # the padded keys of row 0 do not count: its output is the same without them
     alone = attention(q[:1], k[:1, :, 2:], v[:1, :, 2:], torch.ones((1, 1, 1, 7), dtype=torch.bool), 0.25)
     torch.testing.assert_close(got[:1], alone, atol=1e-2, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama-bias-rope-scaling"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_fused_projections_compute_what_the_separate_ones_do(family, dtype):
+    """An engine copy's q/k/v and gate/up stacked into one weight each: the same logits and cache, the
+    same state_dict names, and a write through a module's weight lands in the stacked one."""
+    import copy
+
+    model = FAMILIES[family]().to(dtype).requires_grad_(False)  # as the engine's copy
+    use_small_batch_linears(model)
+    fused = copy.deepcopy(model)
+    assert fuse_projections(fused) == 2
+    assert list(fused.state_dict()) == list(model.state_dict())
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(4))
+    mask, pos = torch.ones_like(ids), torch.arange(5).expand(3, 5)
+    want, got = lean_forward(model, ids, mask, pos, None), lean_forward(fused, ids, mask, pos, None)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got.logits, want.logits, **tol)
+    step = torch.tensor([[1], [2], [3]])  # a decode step: one row each, the kernel path
+    w2 = lean_forward(model, step, torch.ones((3, 6)), torch.full((3, 1), 5), want.past_key_values).logits
+    g2 = lean_forward(fused, step, torch.ones((3, 6)), torch.full((3, 1), 5), got.past_key_values).logits
+    torch.testing.assert_close(g2, w2, **tol)
+    a = fused.model.layers[1].self_attn
+    a.k_proj.weight.copy_(torch.ones_like(a.k_proj.weight))  # what sync_weights does, by name
+    w, _, sizes = a._actloop_fused
+    assert bool((w[sizes[0] : sizes[0] + sizes[1]] == 1).all()) and not bool((w[: sizes[0]] == 1).all())
 
 
 def test_models_it_does_not_cover_say_why():
