@@ -215,27 +215,27 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
-def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The policy's effective weights under plain-model names: for a peft LoRA model, each
-    adapted layer's base weight plus its active adapters' delta (`get_delta_weight`)."""
+def merged_weights(model: Any):
+    """Yield (name, tensor): the policy's effective weights under plain-model names, one at a time;
+    for a peft LoRA model each adapted layer's base weight plus its active adapters' delta
+    (`get_delta_weight`), computed when it is reached, so that only one layer's merged fp32 weight
+    exists at a time (all of them at once were 424 MB of new tensors per sync for SmolLM2-135M)."""
     if not is_peft(model):
-        return model.state_dict()
+        yield from model.state_dict().items()
+        return
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    out = {}
+    adapted = {f"{name}.base_layer.weight": mod for name, mod in base.named_modules()
+               if isinstance(mod, LoraLayer) and not getattr(mod, "merged", False)}
     for name, t in base.state_dict().items():
-        if ".lora_" in name:  # adapter matrices: folded in below
+        if ".lora_" in name:  # adapter matrices: folded into their base weight
             continue
-        out[name.replace(".base_layer.", ".")] = t
-    for name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer) and not getattr(mod, "merged", False):
-            w = mod.get_base_layer().weight
+        if (mod := adapted.get(name)) is not None:
             for adapter in mod.active_adapters:
                 if adapter in mod.lora_A:
-                    w = w + mod.get_delta_weight(adapter)
-            out[f"{name}.weight"] = w
-    return out
+                    t = t + mod.get_delta_weight(adapter)
+        yield name.replace(".base_layer.", "."), t
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,9 +353,14 @@ class HFEngine(EngineBase):
         if self.weights == "live" or self.shared:  # shared tensors: the new weights are already there
             return
         self.wake()
-        src = merged_state_dict(model)
-        for name, t in self.model.state_dict().items():
-            t.copy_(src[name])
+        dst = self.model.state_dict()
+        written = set()
+        for name, t in merged_weights(model):
+            if name in dst:
+                dst[name].copy_(t)
+                written.add(name)
+        if missing := set(dst) - written:  # a copy that would keep stale weights: say so
+            raise RuntimeError(f"sync_weights: the policy has no weights for {sorted(missing)[:5]}")
 
     def sleep(self) -> None:
         """Before an update: the prefix cache goes (its entries come from the weights about to
