@@ -6,8 +6,10 @@ bf16) took 3.1 ms forward + 12.5 ms backward, against 2.8 + 4.0 ms for the same 
 matmuls and an fp32 softmax; over the update of `benchmarks/grpo_vs_trl.py` (30 layers, one forward
 and backward) ~0.35 s of ~3.4 s (docs/performance.md, 2026-12-04). The matmul path materialises the
 [B, Hq, S, L] scores (and keeps the probabilities for the backward), so it is taken only while
-B x Hq x S x L <= `MAX_SCORES` (2^21: 8 MB of fp32 scores per layer); longer sequences keep
-SDPA's kernel, which never holds an L x L matrix (`benchmarks/memory_vs_length.py`).
+B x Hq x S x L <= `MAX_SCORES` (2^20: the fp32 softmax output and the bf16 probabilities kept for
+the backward are 6 MB a layer at most, 190 MB over SmolLM2's 30 layers; the benchmark's update is
+0.85M); longer sequences keep SDPA's kernel, which never holds an L x L matrix
+(`benchmarks/memory_vs_length.py`).
 
     scores = q k^T * scale          # [B, Hkv, g, S, L], g = Hq / Hkv query heads per KV head
     scores[~mask] = finfo.min       # masked keys (a query with none left gets a uniform row: a pad)
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 NAME = "actloop_sdpa"
-MAX_SCORES = 2**21
+MAX_SCORES = 2**20
 
 _registered = False
 
