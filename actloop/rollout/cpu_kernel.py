@@ -104,7 +104,8 @@ def _build(kernel: Kernel) -> tuple[Callable | None, str]:
     if shutil.which(cc) is None:
         return None, f"no C compiler (`{cc}` not found; set CC)"
     source = Path(__file__).with_name(kernel.source)
-    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # small_linear_rows.h
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
     lib = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define ROWS 8        /* rows of x per pass over a weight row */
+#include "small_linear_rows.h"
+
 #define PREFETCH 512  /* bf16 values ahead of the weight loads */
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -55,19 +56,5 @@ static inline __attribute__((always_inline)) void column(const uint16_t *x, cons
 
 void actloop_small_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
                                int64_t N, int64_t K) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            switch (M - m0 < ROWS ? M - m0 : ROWS) {
-            case 1: column(x, w, b, y, N, K, m0, n, 1); break;
-            case 2: column(x, w, b, y, N, K, m0, n, 2); break;
-            case 3: column(x, w, b, y, N, K, m0, n, 3); break;
-            case 4: column(x, w, b, y, N, K, m0, n, 4); break;
-            case 5: column(x, w, b, y, N, K, m0, n, 5); break;
-            case 6: column(x, w, b, y, N, K, m0, n, 6); break;
-            case 7: column(x, w, b, y, N, K, m0, n, 7); break;
-            default: column(x, w, b, y, N, K, m0, n, 8); break;
-            }
-        }
-    }
+    FOR_EACH_COLUMN_AND_ROW_PASS()
 }
