@@ -11,11 +11,13 @@ AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's 210 decoder ma
     (W x^T)^T (ms)   59     85-88    88    104    174
 
 One row is no faster (a GEMV either way) and at a few hundred rows the decoder's matrices are within noise,
-so only 2..`max_rows` rows take the transposed form, and only fp32 on the CPU (bf16 and CUDA keep
-`F.linear`). Up to `cpu_kernel.MAX_ROWS` rows go to actloop's own AVX2 kernel where it could be built
-(`rollout/cpu_kernel.py`: 1 row 19-22 ms, 8 rows 44-50 ms for the same pass), which streams each weight
-row once for all rows. The engine's own copy of the policy gets these modules (`use_small_batch_linears`);
-the trainer's modules are never touched.
+so only 2..`max_rows` fp32 rows take the transposed form (in bf16 oneDNN's x W^T is the faster one;
+CUDA keeps `F.linear`). Up to `cpu_kernel.max_rows(dtype)` rows go to actloop's own kernels where they
+could be built (`rollout/cpu_kernel.py`: fp32 on AVX2, 1 row 19-22 ms, 8 rows 44-50 ms for the same pass;
+bf16 on AVX512-BF16, 8 rows 16-18 ms for the 270 MB bf16 copy on the Zen 4 box), which stream each
+weight row once for all rows. The engine's own copy of the policy gets these modules
+(`use_small_batch_linears`), and its lean decode forward calls `linear` directly; the trainer's modules
+are never touched.
 """
 
 from __future__ import annotations
