@@ -1,6 +1,7 @@
 """actloop's CPU decode kernels, built on first use: an fp32 matmul for few rows (`small_linear.c`,
-AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16) and a bf16 one-query attention
-(`decode_attention_bf16.c`, AVX-512).
+AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16), and for a bf16 engine copy on AVX-512 a
+one-query attention (`decode_attention_bf16.c`), RMSNorm after a residual add (`rms_norm_bf16.c`)
+and RoPE in place (`rope_bf16.c`); the bf16 ones share `bf16.h`.
 
 A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
 is one pass over the weights per step. MKL's sgemm (fp32, AVX2) and oneDNN's bf16 GEMM are far
@@ -66,15 +67,18 @@ class Kernel:
 
 
 COMMON = ("-O3", "-fopenmp", "-shared", "-fPIC")
-AVX512_BF16 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+CPU_AVX512 = ("avx512f", "avx512bw", "avx512vl")
 KERNELS = {
     "linear_fp32": Kernel("small_linear.c", "actloop_small_linear", ("-mavx2", "-mfma", *COMMON), ("avx2", "fma"),
                           (_P,) * 4 + (_I,) * 3),
-    "linear_bf16": Kernel("small_linear_bf16.c", "actloop_small_linear_bf16", (*AVX512_BF16, *COMMON),
-                          ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (_P,) * 4 + (_I,) * 3),
-    "attention_bf16": Kernel("decode_attention_bf16.c", "actloop_decode_attention_bf16",
-                             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", *COMMON), ("avx512f", "avx512bw", "avx512vl"),
+    "linear_bf16": Kernel("small_linear_bf16.c", "actloop_small_linear_bf16", (*AVX512, "-mavx512bf16", *COMMON),
+                          (*CPU_AVX512, "avx512_bf16"), (_P,) * 4 + (_I,) * 3),
+    "attention_bf16": Kernel("decode_attention_bf16.c", "actloop_decode_attention_bf16", (*AVX512, *COMMON), CPU_AVX512,
                              (_P,) * 6 + (_I,) * 13 + (_F,)),
+    "rms_norm_bf16": Kernel("rms_norm_bf16.c", "actloop_rms_norm_bf16", (*AVX512, *COMMON), CPU_AVX512,
+                            (_P,) * 5 + (_I,) * 6 + (_F,)),
+    "rope_bf16": Kernel("rope_bf16.c", "actloop_rope_bf16", (*AVX512, *COMMON), CPU_AVX512, (_P,) * 3 + (_I,) * 9),
 }
 LINEAR = {torch.float32: "linear_fp32", torch.bfloat16: "linear_bf16"}
 
@@ -104,7 +108,7 @@ def _build(kernel: Kernel) -> tuple[Callable | None, str]:
     if shutil.which(cc) is None:
         return None, f"no C compiler (`{cc}` not found; set CC)"
     source = Path(__file__).with_name(kernel.source)
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # small_linear_rows.h
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # bf16.h, small_linear_rows.h
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
     lib = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if not lib.exists():
@@ -188,3 +192,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
                            scratch.data_ptr(), B, Hq, k.shape[1], L, D, q.stride(0), q.stride(1), k.stride(0),
                            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), scale)
     return out
+
+
+def _bf16_rows(t: torch.Tensor | None, n: int) -> bool:
+    """t is None, or [rows, n] bf16 on the CPU with contiguous rows."""
+    return t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.shape[1] == n
+                         and t.stride(1) == 1)
+
+
+def can_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether `rms_norm` takes these: x (and residual, its shape) [rows, n] bf16 with contiguous rows,
+    weight [n] bf16 contiguous, and the kernel built."""
+    n = x.shape[-1]
+    return (_bf16_rows(x, n) and _bf16_rows(residual, n) and (residual is None or residual.shape == x.shape)
+            and weight.dtype == torch.bfloat16 and weight.shape == (n,) and weight.is_contiguous()
+            and load("rms_norm_bf16") is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, n] (+ residual) -> (s = x + residual rounded to bf16, or x itself; transformers'
+    RMSNorm of s scaled by weight), both [rows, n] bf16 (`can_norm` first)."""
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    s = x if residual is None else torch.empty((rows, n), dtype=torch.bfloat16)
+    load("rms_norm_bf16")(x.data_ptr(), None if residual is None else residual.data_ptr(), s.data_ptr(),
+                          weight.data_ptr(), y.data_ptr(), rows, n, x.stride(0),
+                          0 if residual is None else residual.stride(0), s.stride(0), y.stride(0), eps)
+    return s, y
+
+
+def can_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rope_` takes these: x [B, T, H, D] bf16 with D contiguous and even, cos / sin [B, T, D]
+    bf16 (the same strides, D contiguous: a full rotary dimension), and the kernel built."""
+    return (x.dim() == 4 and cos.dim() == 3 and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+            and x.device.type == "cpu" and x.shape[-1] % 2 == 0 and cos.shape == sin.shape == (*x.shape[:2], x.shape[-1])
+            and cos.stride() == sin.stride() and x.stride(-1) == cos.stride(-1) == 1 and load("rope_bf16") is not None)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x <- x * cos + rotate_half(x) * sin in place (transformers' apply_rotary_pos_emb, bit for bit),
+    x [B, T, H, D], cos / sin [B, T, D]; returns x (`can_rope` first)."""
+    B, T, H, D = x.shape
+    load("rope_bf16")(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, T, H, D, x.stride(0), x.stride(1),
+                      x.stride(2), cos.stride(0), cos.stride(1))
+    return x

@@ -9,20 +9,9 @@
  * torch's bf16 flash kernel for the CPU took 829 us for 8 rows x 9 heads x 140 keys on the 2-core
  * Zen 4 box, and 184 us with the inputs cast to fp32 and back; this reads the bf16 cache as it is.
  * `scratch` holds B * Hq * L floats (the scores). OpenMP splits the (row, head) pairs. */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline uint16_t f32_to_bf16(float s) { /* round to nearest even, as c10::BFloat16 */
-    union { float f; uint32_t u; } c = {s};
-    if (s != s) return 0x7FC0;
-    return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16);
-}
+#include "bf16.h"
 
 #define MAXD 256 /* head_dim up to this; the caller checks */
 
@@ -42,8 +31,7 @@ void actloop_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const u
         float *s = scratch + bh * L;
         __m512 qv[MAXD / 16];
         for (int64_t c = 0; c < nv; c++) {
-            int64_t left = D - 16 * c;
-            __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            __mmask16 m = first_lanes(D - 16 * c);
             qv[c] = _mm512_mul_ps(load_bf16(qp + 16 * c, m), _mm512_set1_ps(scale));
         }
         float mx = -INFINITY;
@@ -55,8 +43,7 @@ void actloop_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const u
             const uint16_t *kj = kp + j * ksl;
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < nv; c++) {
-                int64_t left = D - 16 * c;
-                __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                __mmask16 m = first_lanes(D - 16 * c);
                 acc = _mm512_fmadd_ps(qv[c], load_bf16(kj + 16 * c, m), acc);
             }
             s[j] = _mm512_reduce_add_ps(acc);
@@ -73,18 +60,14 @@ void actloop_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const u
                 const uint16_t *vj = vp + j * vsl;
                 __m512 pv = _mm512_set1_ps(p);
                 for (int64_t c = 0; c < nv; c++) {
-                    int64_t left = D - 16 * c;
-                    __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                    __mmask16 m = first_lanes(D - 16 * c);
                     o[c] = _mm512_fmadd_ps(pv, load_bf16(vj + 16 * c, m), o[c]);
                 }
             }
         }
         float inv = total > 0.0f ? 1.0f / total : 0.0f;
         uint16_t *op = out + bh * D;
-        for (int64_t c = 0; c < nv; c++) {
-            float tmp[16];
-            _mm512_storeu_ps(tmp, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
-            for (int64_t d = 16 * c; d < D && d < 16 * c + 16; d++) op[d] = f32_to_bf16(tmp[d - 16 * c]);
-        }
+        for (int64_t c = 0; c < nv; c++) store_bf16(op + 16 * c, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)),
+                                                    first_lanes(D - 16 * c));
     }
 }

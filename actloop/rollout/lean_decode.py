@@ -16,6 +16,11 @@ attention's own projections, rotary embedding, KV cache and MLP modules:
                 x = x + mlp(rms(x))
     logits = lm_head(rms(x[:, -1:]))                                  # [B, 1, V]
 
+For a bf16 copy on an AVX-512 CPU the small operators go through actloop's kernels
+(`cpu_kernel`): each residual add with the RMSNorm after it is one call (`rms_norm`, 8 torch
+operators otherwise), RoPE runs in place on q and k (`rope_`, bit for bit transformers'), the
+attention reads the bf16 cache (`attention`) and the projections are few-row matmuls (`linear`).
+
 It applies to the dense, full-attention decoder families whose layers have exactly this shape
 (`lean_supported`: Llama, Qwen2, Qwen3, Mistral without a sliding window); anything else — a
 sliding-window or MoE layer, attention sinks, another architecture — keeps the transformers
@@ -81,6 +86,18 @@ def _rms(x: torch.Tensor, mod: Any) -> torch.Tensor:
     if x.dtype == torch.float32 and mod.weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
     return mod.weight * F.rms_norm(x.float(), (x.shape[-1],), None, mod.variance_epsilon).to(x.dtype)
+
+
+def _add_rms(x: torch.Tensor, r: torch.Tensor | None, mod: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms(s)) with s = x + r (x itself when r is None): transformers' residual add and RMSNorm, in
+    one kernel call for bf16 rows (`cpu_kernel.rms_norm`: 8 torch operators, 34 us, otherwise)."""
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n), None if r is None else r.reshape(-1, n)
+    if cpu_kernel.can_norm(x2, mod.weight, r2):
+        s, y = cpu_kernel.rms_norm(x2, mod.weight, mod.variance_epsilon, r2)
+        return s.view(x.shape), y.view(x.shape)
+    s = x if r is None else x + r
+    return s, _rms(s, mod)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -172,11 +189,12 @@ def lean_forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.T
         cache = DynamicCache(config=model.config)
     x = base.embed_tokens(ids)  # [B, T, H]
     cos, sin = base.rotary_emb(x, pos)  # [B, T, D]
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+    rope_kernel = None  # whether cpu_kernel.rope_ takes this model's q and k (decided at the first layer)
     attn = attention_mask(mask, T)
+    r = None  # the MLP output not yet added to the residual stream x (added with the next norm)
     for i, layer in enumerate(base.layers):
         a = layer.self_attn
-        h = _rms(x, layer.input_layernorm)
+        x, h = _add_rms(x, r, layer.input_layernorm)
         shape = (B, T, -1, a.head_dim)
         if (fused := getattr(a, "_actloop_fused", None)) is not None:  # one matmul for q, k and v
             q, k, v = linear(h, fused[0], fused[1]).split(fused[2], dim=-1)
@@ -185,18 +203,23 @@ def lean_forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.T
         q, k, v = q.view(shape), k.view(shape), v.view(shape)  # [B, T, heads, D]
         if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head's D
             q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
+        if rope_kernel is None:
+            rope_kernel = cpu_kernel.can_rope(q, cos, sin) and cpu_kernel.can_rope(k, cos, sin)
+        if rope_kernel:  # in place, before the transpose
+            q, k = cpu_kernel.rope_(q, cos, sin), cpu_kernel.rope_(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if not rope_kernel:
+            q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+            k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
         k, v = cache.update(k, v, i)  # [B, kv_heads, L, D]
         o = attention(q, k, v, attn, a.scaling)  # [B, heads, T, D]
-        x = x + _proj(a.o_proj, o.transpose(1, 2).reshape(B, T, -1))
-        h = _rms(x, layer.post_attention_layernorm)
+        x, h = _add_rms(x, _proj(a.o_proj, o.transpose(1, 2).reshape(B, T, -1)), layer.post_attention_layernorm)
         m = layer.mlp
         if (fused := getattr(m, "_actloop_fused", None)) is not None:  # one matmul for gate and up
             gate, up = linear(h, fused[0], fused[1]).split(fused[2], dim=-1)
         else:
             gate, up = _proj(m.gate_proj, h), _proj(m.up_proj, h)
-        x = x + _proj(m.down_proj, m.act_fn(gate) * up)
-    logits = _proj(model.lm_head, _rms(x[:, -1:], base.norm))  # [B, 1, V]
+        r = _proj(m.down_proj, m.act_fn(gate) * up)
+    _, h = _add_rms(x[:, -1:], None if r is None else r[:, -1:], base.norm)
+    logits = _proj(model.lm_head, h)  # [B, 1, V]
     return LeanOutput(logits=logits, past_key_values=cache)

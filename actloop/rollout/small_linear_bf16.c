@@ -8,23 +8,10 @@
  * sum is rounded to bf16 to nearest-even, as torch rounds a float. oneDNN's bf16 GEMM (torch's
  * F.linear) reaches ~8 GB/s of weights at 8 rows on the 2-core Zen 4 box; this kernel ~17 GB/s
  * (docs/performance.md). OpenMP splits the columns over torch's thread pool (libgomp, shared). */
-#include <immintrin.h>
-#include <stdint.h>
-
+#include "bf16.h"
 #include "small_linear_rows.h"
 
 #define PREFETCH 512  /* bf16 values ahead of the weight loads */
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } c = {(uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float s) {  /* round to nearest even, as c10::BFloat16 */
-    union { float f; uint32_t u; } c = {s};
-    if (s != s) return 0x7FC0;
-    return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16);
-}
 
 /* y[m0 .. m0 + MT, n] for one weight row n; MT is a constant at every call site (unrolled). */
 static inline __attribute__((always_inline)) void column(const uint16_t *x, const uint16_t *w, const uint16_t *b,

@@ -174,3 +174,75 @@ def test_the_mask_is_causal_over_the_new_queries_and_hides_padding():
     pads = attention_mask(torch.tensor([[0, 0, 1]]), 3)  # a padded query still sees itself (no NaN rows)
     assert pads[0, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
     assert attention_mask(torch.tensor([[0, 1, 1]]), 1)[0, 0].tolist() == [[False, True, True]]
+
+
+def _need(name):
+    if cpu_kernel.load(name) is None:
+        pytest.skip(f"the {name} kernel is unavailable here: {cpu_kernel.reason(name)}")
+
+
+@pytest.mark.parametrize("D", [64, 40])  # 40: half a head is not a multiple of the kernel's 16 lanes
+def test_the_rope_kernel_is_transformers_rope_bit_for_bit(D):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    _need("rope_bf16")
+    g = torch.Generator().manual_seed(0)
+    B, T, Hq, Hkv = 3, 4, 6, 2
+    qkv = (torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g) * 4).bfloat16()  # a fused projection's output
+    q, k = qkv[..., : Hq * D].view(B, T, Hq, D), qkv[..., Hq * D : (Hq + Hkv) * D].view(B, T, Hkv, D)
+    angle = (torch.arange(T)[None, :, None] + 5 * torch.arange(B)[:, None, None]) * torch.rand(D // 2, generator=g)
+    cos, sin = torch.cat([angle, angle], -1).cos().bfloat16(), torch.cat([angle, angle], -1).sin().bfloat16()
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+    assert cpu_kernel.can_rope(q, cos, sin) and cpu_kernel.can_rope(k, cos, sin)
+    cpu_kernel.rope_(q, cos, sin)
+    cpu_kernel.rope_(k, cos, sin)
+    assert torch.equal(q.transpose(1, 2), want_q) and torch.equal(k.transpose(1, 2), want_k)
+    assert not cpu_kernel.can_rope(q, cos[..., : D // 2], sin[..., : D // 2])  # a partial rotary: torch's path
+
+
+@pytest.mark.parametrize("n", [64, 40])
+def test_the_norm_kernel_is_the_residual_add_and_rmsnorm_in_bf16(n):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    _need("rms_norm_bf16")
+    g = torch.Generator().manual_seed(1)
+    norm = LlamaRMSNorm(n, eps=1e-6).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    x = (torch.randn(4, 3, n, generator=g) * 3).bfloat16()[:, -1]  # [4, n], rows 3n apart (a last position)
+    r = torch.randn(4, n, generator=g).bfloat16()
+    s, y = cpu_kernel.rms_norm(x, norm.weight, norm.variance_epsilon, r)
+    assert torch.equal(s, x + r)
+    with torch.no_grad():
+        want = norm(x + r)
+    # the same bf16 up to the order of the fp32 sum of squares: at most one rounding step apart
+    assert (y != want).float().mean() < 0.02
+    torch.testing.assert_close(y.float(), want.float(), atol=0, rtol=2 ** -7)
+    s0, y0 = cpu_kernel.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert s0 is x
+    with torch.no_grad():
+        torch.testing.assert_close(y0.float(), norm(x).float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_a_bf16_forward_through_the_norm_and_rope_kernels_matches_torchs(family, monkeypatch):
+    _need("rms_norm_bf16")
+    _need("rope_bf16")
+    model = FAMILIES[family]().to(torch.bfloat16).requires_grad_(False)
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(4))
+    mask, pos = torch.ones_like(ids), torch.arange(5).expand(3, 5)
+    calls = {"rms_norm": 0, "rope_": 0}
+    for name in calls:
+        real = getattr(cpu_kernel, name)
+        monkeypatch.setattr(cpu_kernel, name, lambda *a, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _r(*a))
+    got = lean_forward(model, ids, mask, pos, None)
+    step = lean_forward(model, torch.tensor([[1], [2], [3]]), torch.ones((3, 6)), torch.full((3, 1), 5),
+                        got.past_key_values).logits
+    assert calls == {"rms_norm": 2 * (2 * 2 + 1), "rope_": 2 * 2 * 2}  # 2 norms a layer + the final one; q and k
+    monkeypatch.setattr(cpu_kernel, "can_norm", lambda *a: False)
+    monkeypatch.setattr(cpu_kernel, "can_rope", lambda *a: False)
+    want = lean_forward(model, ids, mask, pos, None)
+    want_step = lean_forward(model, torch.tensor([[1], [2], [3]]), torch.ones((3, 6)), torch.full((3, 1), 5),
+                             want.past_key_values).logits
+    torch.testing.assert_close(got.logits.float(), want.logits.float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(step.float(), want_step.float(), atol=0.05, rtol=0.02)
