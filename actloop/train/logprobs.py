@@ -234,9 +234,14 @@ class ChunkedHeadLogprob(torch.autograd.Function):
 
     Forward keeps h, W, targets and the log-normaliser per row; backward recomputes each chunk's
     logits z and uses d logp[t] / dz = (onehot(t) - softmax(z)) / T. When all rows fit in one
-    chunk, the softmax is kept instead of recomputed (at most chunk x V floats either way).
-    Matmuls run in `dtype` (bf16 under mixed precision), softmax maths in fp32; the gradient of W
-    is accumulated in fp32 (the master weights)."""
+    chunk, the softmax is kept instead of recomputed (at most chunk x V floats either way) and the
+    backward turns it into the gradient in place. Matmuls run in `dtype` (bf16 under mixed
+    precision), softmax maths in fp32; with one chunk W's gradient is one product in W's dtype,
+    with several it is summed in fp32.
+
+    Per chunk of c rows the forward allocates two [c, V] fp32 buffers (the logits, shifted by their
+    row max, and the softmax) and the backward one (the bf16 copy of the gradient): each is ~100 MB
+    for 512 rows of a 49k vocabulary, and each fresh one is paid in page faults (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, h, weight, tgt, temperature: float, chunk: int, dtype):
@@ -246,31 +251,39 @@ class ChunkedHeadLogprob(torch.autograd.Function):
         lp, ent, lse = (torch.empty(h.shape[0], device=h.device, dtype=acc) for _ in range(3))
         p = None
         for s in range(0, h.shape[0], step):  # at most two [c, V] floats alive: z and p
-            z = (h[s : s + step].to(dtype) @ w.T).to(acc).div_(temperature)  # [c, V]
-            lse_c = torch.logsumexp(z, -1)
-            p = (z - lse_c[:, None]).exp_()
-            lse[s : s + step] = lse_c
-            lp[s : s + step] = z.gather(-1, tgt[s : s + step, None]).squeeze(-1) - lse_c
-            ent[s : s + step] = lse_c - torch.einsum("cv,cv->c", p, z)  # no [c, V] product
+            z = (h[s : s + step].to(dtype) @ w.T).to(acc)  # [c, V]
+            if temperature != 1.0:
+                z.div_(temperature)
+            top = z.amax(-1, keepdim=True)  # [c, 1]
+            z.sub_(top)  # z - max, <= 0
+            p = z.exp()  # [c, V] unnormalised
+            total = p.sum(-1, keepdim=True)  # [c, 1]
+            p.div_(total)  # softmax
+            log_total = total.log()  # [c, 1]; log-normaliser = top + log_total
+            lse[s : s + step] = (top + log_total).squeeze(-1)
+            lp[s : s + step] = (z.gather(-1, tgt[s : s + step, None]) - log_total).squeeze(-1)
+            ent[s : s + step] = log_total.squeeze(-1) - torch.einsum("cv,cv->c", p, z)  # -sum p log p; no [c, V] product
             del z
-        keep = h.shape[0] <= step and p is not None
-        ctx.save_for_backward(h, weight, tgt, lse, *([p] if keep else []))
+        ctx.save_for_backward(h, weight, tgt, lse)
+        ctx.softmax = p if h.shape[0] <= step else None  # an intermediate: the backward may write into it
         ctx.temperature, ctx.step, ctx.dtype = temperature, step, dtype
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, _grad_ent):
-        h, weight, tgt, lse, *kept = ctx.saved_tensors
+        h, weight, tgt, lse = ctx.saved_tensors
         T, step, dtype = ctx.temperature, ctx.step, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        kept, ctx.softmax = ctx.softmax, None  # used up here: a second backward (retain_graph) recomputes
         w = weight.to(dtype)
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None
+        grad_w = None
+        one_chunk = h.shape[0] <= step
         for s in range(0, h.shape[0], step):
             hc = h[s : s + step].to(dtype)
-            if kept:
-                g = kept[0].neg()  # -softmax
+            if kept is not None:
+                g = kept.neg_()  # -softmax, in the forward's buffer
             else:  # recomputed in place: one [c, V] float buffer
                 g = (hc @ w.T).to(lse.dtype).div_(T).sub_(lse[s : s + step, None]).exp_().neg_()
             g.scatter_add_(-1, tgt[s : s + step, None], torch.ones_like(lse[s : s + step, None]))
@@ -279,7 +292,13 @@ class ChunkedHeadLogprob(torch.autograd.Function):
             if need_h:
                 grad_h[s : s + step] = (g @ w).to(h.dtype)
             if need_w:
-                grad_w += g.T @ hc
+                gw = g.T @ hc  # [V, H] in dtype
+                if one_chunk:
+                    grad_w = gw.to(weight.dtype)
+                elif grad_w is None:
+                    grad_w = gw.to(lse.dtype)
+                else:
+                    grad_w += gw
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 

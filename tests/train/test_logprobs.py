@@ -37,6 +37,23 @@ def test_gradcheck_through_the_recomputed_backward():
     assert torch.autograd.gradcheck(lambda a, b: ChunkedHeadLogprob.apply(a, b, tgt, 1.3, 2, torch.float64)[0], (h, w))
 
 
+def test_a_second_backward_recomputes_what_the_first_used_up():
+    """One chunk: the first backward turns the kept softmax into the gradient in place; a second
+    backward through the retained graph recomputes it and gets the same gradient."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(0, 9, (6,), generator=g)
+    lp, _ = ChunkedHeadLogprob.apply(h, w, tgt, 0.9, 100, torch.float64)
+    lp.sum().backward(retain_graph=True)
+    gh, gw = h.grad.clone(), w.grad.clone()
+    lp.sum().backward()
+    assert torch.allclose(h.grad, 2 * gh, atol=1e-12) and torch.allclose(w.grad, 2 * gw, atol=1e-12)
+    lp_ref, _ = reference(h, w, tgt, 0.9)
+    want_h, want_w = torch.autograd.grad(lp_ref.sum(), (h, w))
+    assert torch.allclose(gh, want_h, atol=1e-10) and torch.allclose(gw, want_w, atol=1e-10)
+
+
 def test_plain_path_when_chunk_is_zero_gives_the_same_values():
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 64, bias=False)
