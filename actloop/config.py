@@ -236,12 +236,13 @@ class TrainConfig:
         "demo's rollout peak but cost ~15% of the rollout's and the update's time in page faults "
         "(docs/performance.md).")
     update_mmap_threshold_mb: float = opt(
-        1.0, "During each update, C-heap allocations of at least this many MiB get their own mapping (glibc "
+        4.0, "During each update, C-heap allocations of at least this many MiB get their own mapping (glibc "
         "mallopt M_MMAP_THRESHOLD; back to 32 MiB, where glibc's own threshold settles, afterwards; 0 = leave it): "
-        "the update's freed activations otherwise stay as heap holes the next tensor does not fit. On demo-like runs "
-        "with 8-bit AdamW the update's peak fell by 0.4-0.7 GB, and `make demo` peaked at 3.73 GB instead of 4.22, "
-        "but the update's page faults cost 15% of its time alone and 40-60% with other jobs on the cores "
-        "(docs/performance.md); 4 MiB saved nothing. 0 trades the memory back for speed; "
+        "the update's freed activations otherwise stay as heap holes the next tensor does not fit. Each mapped "
+        "tensor is paid in page faults when it is first written. With autocast (train.bf16_mode=autocast) and 8-bit "
+        "AdamW, 1 MiB took 0.4-0.7 GB off the demo's update peak (4 MiB: nothing); with bf16 weights the demo's "
+        "update peaked at 2.5-2.8 GB with 1, 2 or 4 MiB alike, and on the TRL benchmark's update 4 MiB faulted "
+        "~440k pages instead of ~640k (3.0-3.3 s against 3.0-4.5 s; docs/performance.md). "
         "train.mmap_threshold_mb, when set, fixes the threshold for the whole process instead.")
     max_tokens_per_microbatch: int = opt(
         4096, "Token budget of one forward/backward pass: a micro-batch holds at most this many padded tokens "
@@ -278,6 +279,14 @@ class TrainConfig:
         "`auto` (bf16 autocast where the hardware computes bf16 natively: CUDA with bf16, CPUs with AVX-512 / AMX "
         "or Arm BF16; fp32 elsewhere, e.g. AVX2-only CPUs, where bf16 matmuls are emulated and 2-9x slower), "
         "`bf16` or `fp32`. Master weights stay fp32.",
+    )
+    bf16_mode: str = opt(
+        "weights",
+        "How the update computes when train.precision resolves to bf16: `weights` (each optimizer step's forwards "
+        "and backwards run on bf16 copies of the fp32 master weights, bf16 activations, gradients summed in fp32: "
+        "FSDP MixedPrecision(param_dtype=bf16) / Megatron's recipe, and the engine's bf16 numerics; "
+        "actloop.train.mixed_precision) or `autocast` (torch.autocast over the fp32 weights, an fp32 residual "
+        "stream: transformers Trainer's bf16=True). FSDP-sharded policies always use FSDP's own mixed precision.",
     )
     eval_before: bool = opt(True, "Evaluate greedy success on the held-out split before training.")
     eval_after: bool = opt(True, "Evaluate greedy success on the held-out split after training.")
@@ -808,6 +817,7 @@ def validate(cfg: Config) -> None:
         (cfg.monitor.window >= 1, "monitor.window must be >= 1"),
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),
         (cfg.train.precision in ("auto", "bf16", "fp32"), "train.precision must be auto, bf16 or fp32"),
+        _one_of("train.bf16_mode", cfg.train.bf16_mode, ("weights", "autocast")),
         (cfg.reward.completion in ("final", "transcript"), "reward.completion must be final or transcript"),
         (cfg.reward.differential in ("auto", "multiply", "zero", "log", "off")
          or re.fullmatch(r"penalty:(\d+\.?\d*|\.\d+)", cfg.reward.differential) is not None

@@ -78,6 +78,8 @@ class Engine(Protocol):
 
     def sleep(self) -> None: ...
 
+    def lend_weights(self, model: Any) -> dict[int, Any]: ...
+
     def wake(self) -> None: ...
 
     def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int) -> list[Any]: ...
@@ -105,6 +107,12 @@ class EngineBase:
 
     def sleep(self) -> None:
         """Free accelerator memory for the update (colocated vLLM); a no-op elsewhere."""
+
+    def lend_weights(self, model: Any) -> dict[int, Any]:
+        """`sleep`, handing the update the weight copy's storage where the engine can (HFEngine):
+        {id(parameter of model): the copy's bf16 tensor of the same shape}; {} here."""
+        self.sleep()
+        return {}
 
     def wake(self) -> None:
         """Undo `sleep`; a no-op elsewhere."""
@@ -236,6 +244,17 @@ def merged_weights(model: Any):
                 if adapter in mod.lora_A:
                     t = t + mod.get_delta_weight(adapter)
         yield name.replace(".base_layer.", "."), t
+
+
+def plain_named_parameters(model: Any):
+    """Yield (name, parameter) of the policy under plain-model names (those of `merged_weights`); a
+    peft model's base weights under their layer's name, its adapter matrices skipped."""
+    if not is_peft(model):
+        yield from model.named_parameters()
+        return
+    for name, p in model.get_base_model().named_parameters():
+        if ".lora_" not in name:
+            yield name.replace(".base_layer.", "."), p
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,6 +394,24 @@ class HFEngine(EngineBase):
                 storage.resize_(0)
             self._slept = list(storages.values())
             self.asleep = True
+
+    def lend_weights(self, model: Any) -> dict[int, torch.Tensor]:
+        """`sleep` for an update that computes on bf16 copies of `model`'s weights
+        (actloop.train.mixed_precision.bf16_weights): instead of freeing the bf16 copy's storage,
+        hand its tensors to the update to cast the fp32 masters into, {id(parameter of model): the
+        copy's tensor of that weight}. The update's bf16 weights then take no new memory and the
+        next `sync_weights` no re-allocation (each was 270 MB of fresh pages a step for SmolLM2-135M,
+        ~66k page faults). As after `sleep`, the copy's values are undefined until `sync_weights`
+        (generation refuses until then). A plain `sleep` and {} for another copy (fp32, shared, live)."""
+        dst = self.model.state_dict()
+        if self.weights != "copy" or self.shared or self.asleep or any(t.dtype != torch.bfloat16 for t in dst.values()):
+            self.sleep()
+            return {}
+        self.prefix_cache.clear()
+        lent = {id(p): dst[name] for name, p in plain_named_parameters(model)
+                if name in dst and dst[name].shape == p.shape}
+        self.asleep = True  # the storage stays (nothing in _slept to re-allocate)
+        return lent
 
     def wake(self) -> None:
         """Re-allocate a sleeping copy's storage (its values are undefined until `sync_weights`

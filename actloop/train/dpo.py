@@ -30,6 +30,7 @@ from actloop.monitor.metrics import mean
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.train.common import Run, Timer, offline_schedule, progress_bar
+from actloop.train.mixed_precision import update_precision
 from actloop.train.pairs import Pair, check_rows, load_preference_pairs, messages_json, parse_preference_row
 from actloop.train.preference import (online_dpo_loss, pairs_kl, preference_loss, scored_sequence,  # noqa: F401
                                       sequence_logps)
@@ -37,16 +38,20 @@ from actloop.train.trainer import PromptSampler, RunResult
 from actloop.types import Scored
 
 @torch.no_grad()
-def reference_logps(model, pairs: list[Pair], precision: str, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(chosen [T_c], rejected [T_r]) reference token log-probs of every pair, computed once."""
+def reference_logps(model, pairs: list[Pair], precision: str, micro_batch: int, bf16_mode: str = "weights"
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(chosen [T_c], rejected [T_r]) reference token log-probs of every pair, computed once, in
+    the numerics of the policy's passes (`dpo_step`'s train.bf16_mode)."""
     was_training = model.training
     model.eval()
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     per = max(1, micro_batch // 2)
-    for i in range(0, len(pairs), per):
-        chunk = pairs[i : i + per]
-        lps = sequence_logps(model, [p.chosen for p in chunk] + [p.rejected for p in chunk], precision)
-        out += [(lps[j].detach().float().cpu(), lps[len(chunk) + j].detach().float().cpu()) for j in range(len(chunk))]
+    with update_precision(precision, bf16_mode, model):
+        for i in range(0, len(pairs), per):
+            chunk = pairs[i : i + per]
+            lps = sequence_logps(model, [p.chosen for p in chunk] + [p.rejected for p in chunk], precision)
+            out += [(lps[j].detach().float().cpu(), lps[len(chunk) + j].detach().float().cpu())
+                    for j in range(len(chunk))]
     model.train(was_training)
     return out
 
@@ -64,14 +69,15 @@ def dpo_step(cfg: Config, run: Run, optimizer, scheduler, pairs: list[Pair],
     optimizer.zero_grad(set_to_none=True)
     per = max(1, cfg.train.micro_batch_size // 2)
     all_pc, all_pr = [], []
-    for i in range(0, len(pairs), per):
-        chunk, rchunk = pairs[i : i + per], refs[i : i + per]
-        lps = sequence_logps(policy, [p.chosen for p in chunk] + [p.rejected for p in chunk], cfg.train.precision)
-        pc, pr = lps[: len(chunk)], lps[len(chunk) :]
-        loss, _ = pair_loss(cfg, pc, pr, [r[0] for r in rchunk], [r[1] for r in rchunk])
-        (loss * len(chunk) / len(pairs)).backward()
-        all_pc += [x.detach() for x in pc]
-        all_pr += [x.detach() for x in pr]
+    with update_precision(cfg.train.precision, cfg.train.bf16_mode, policy):
+        for i in range(0, len(pairs), per):
+            chunk, rchunk = pairs[i : i + per], refs[i : i + per]
+            lps = sequence_logps(policy, [p.chosen for p in chunk] + [p.rejected for p in chunk], cfg.train.precision)
+            pc, pr = lps[: len(chunk)], lps[len(chunk) :]
+            loss, _ = pair_loss(cfg, pc, pr, [r[0] for r in rchunk], [r[1] for r in rchunk])
+            (loss * len(chunk) / len(pairs)).backward()
+            all_pc += [x.detach() for x in pc]
+            all_pr += [x.detach() for x in pr]
     grad_norm = run.clip_and_step(optimizer, scheduler)
     _, m = pair_loss(cfg, all_pc, all_pr, [r[0] for r in refs], [r[1] for r in refs])
     m["loss"] = m.pop("dpo_loss")
@@ -145,7 +151,8 @@ def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> Run
     else:
         pairs = sample_pairs(cfg, run, print_fn)
     t0 = time.time()
-    refs = reference_logps(run.models.policy, pairs, cfg.train.precision, cfg.train.micro_batch_size)
+    refs = reference_logps(run.models.policy, pairs, cfg.train.precision, cfg.train.micro_batch_size,
+                           cfg.train.bf16_mode)
     run.summary["reference_seconds"] = round(time.time() - t0, 2)
     optimizer, scheduler = run.optimizer()
     plan = offline_schedule(cfg, len(pairs), cfg.dpo.batch_size, cfg.dpo.epochs, "pairs", "dpo.epochs", print_fn)

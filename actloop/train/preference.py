@@ -24,6 +24,7 @@ from actloop.algos.batching import token_budget_batches
 from actloop.algos.dpo import build_preference_pairs, dpo_loss
 from actloop.models import Models
 from actloop.train.logprobs import token_logprobs
+from actloop.train.mixed_precision import update_precision
 from actloop.train.pairs import Sequence
 from actloop.types import Scored
 
@@ -120,16 +121,20 @@ def preference_update(ctx: Any, scored: list[Scored], group_size: int) -> dict[s
                 for c, r in zip(chosen, rejected)]  # a pair is two sequences of one forward
     budget = t.max_tokens_per_microbatch // 2 if t.max_tokens_per_microbatch else 0
     pc_all, pr_all, rc_all, rr_all = [], [], [], []
-    for part in token_budget_batches(pair_len, max(1, t.micro_batch_size // 2), budget):
-        c, r = [chosen[j] for j in part], [rejected[j] for j in part]
-        pol, ref = _pair_logps(ctx.models, [scored_sequence(scored[i]) for i in c + r], t.precision)
-        k = len(c)
-        loss, _ = preference_loss(pol[:k], pol[k:], ref[:k], ref[k:], cfg.dpo.beta, cfg.dpo.loss, cfg.dpo.label_smoothing)
-        (loss * k / n).backward()
-        pc_all += [x.detach() for x in pol[:k]]
-        pr_all += [x.detach() for x in pol[k:]]
-        rc_all += ref[:k]
-        rr_all += ref[k:]
+    sharded = ctx.dist is not None and ctx.dist.fsdp
+    with update_precision(t.precision, t.bf16_mode, policy, ctx.models.reference_model(), sharded=sharded,
+                          buffers=ctx.lent_weights):
+        for part in token_budget_batches(pair_len, max(1, t.micro_batch_size // 2), budget):
+            c, r = [chosen[j] for j in part], [rejected[j] for j in part]
+            pol, ref = _pair_logps(ctx.models, [scored_sequence(scored[i]) for i in c + r], t.precision)
+            k = len(c)
+            loss, _ = preference_loss(pol[:k], pol[k:], ref[:k], ref[k:], cfg.dpo.beta, cfg.dpo.loss,
+                                      cfg.dpo.label_smoothing)
+            (loss * k / n).backward()
+            pc_all += [x.detach() for x in pol[:k]]
+            pr_all += [x.detach() for x in pol[k:]]
+            rc_all += ref[:k]
+            rr_all += ref[k:]
     grad_norm = 0.0
     if n:
         params = [p for g in ctx.optimizer.param_groups for p in g["params"]]

@@ -34,6 +34,7 @@ from actloop.tasks.base import LoadedTask
 from actloop.tasks.registry import build_task
 from actloop.train.common import Run, Timer, offline_schedule, progress_bar
 from actloop.train.logprobs import token_logprobs
+from actloop.train.mixed_precision import update_precision
 from actloop.train.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
 from actloop.train.trainer import PromptSampler, RunResult
 
@@ -49,15 +50,17 @@ def sft_step(cfg: Config, run: Run, optimizer, scheduler, batch: list[Sequence])
     # train.max_tokens_per_microbatch padded tokens (long multi-turn traces: a batch of 8 ~1k-token
     # gsm8k-tool traces in one forward held 12.5 GB); the accumulated gradient is the same
     order = sorted(range(len(batch)), key=lambda i: len(batch[i].ids))
-    for part in token_budget_batches([len(batch[i].ids) for i in order], max(1, cfg.train.micro_batch_size),
-                                     cfg.train.max_tokens_per_microbatch):
-        chunk = [batch[order[j]] for j in part]
-        out = token_logprobs(policy, [list(s.ids) for s in chunk], [list(s.mask) for s in chunk], 1.0,
-                             cfg.train.precision)
-        nll = -(out.logp * out.mask).sum()  # [] summed over the chunk's assistant tokens
-        (nll / n_tokens).backward()
-        nll_sum += float(nll.detach())
-        ent_sum += float((out.entropy * out.mask).sum())
+    parts = token_budget_batches([len(batch[i].ids) for i in order], max(1, cfg.train.micro_batch_size),
+                                 cfg.train.max_tokens_per_microbatch)
+    with update_precision(cfg.train.precision, cfg.train.bf16_mode, policy):
+        for part in parts:
+            chunk = [batch[order[j]] for j in part]
+            out = token_logprobs(policy, [list(s.ids) for s in chunk], [list(s.mask) for s in chunk], 1.0,
+                                 cfg.train.precision)
+            nll = -(out.logp * out.mask).sum()  # [] summed over the chunk's assistant tokens
+            (nll / n_tokens).backward()
+            nll_sum += float(nll.detach())
+            ent_sum += float((out.entropy * out.mask).sum())
     grad_norm = run.clip_and_step(optimizer, scheduler)
     return {"loss": nll_sum / n_tokens, "entropy": ent_sum / n_tokens, "tokens": n_tokens,
             "conversations": len(batch), "grad_norm": grad_norm}

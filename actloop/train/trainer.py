@@ -38,6 +38,7 @@ from actloop.train.evaluate import component_means, evaluate, run_batched
 from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
 from actloop.train.interrupt import GracefulStop
 from actloop.train.memory import PhasePeaks, frozen_gc, mmap_threshold, set_mmap_threshold
+from actloop.train.mixed_precision import uses_bf16_weights
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
 from actloop.train.optim import adamw, drop_state
@@ -400,6 +401,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
 
     # the update's own glibc mmap threshold, unless train.mmap_threshold_mb fixed one for the process
     update_mmap_mb = 0.0 if cfg.train.mmap_threshold_mb else cfg.train.update_mmap_threshold_mb
+    lend = uses_bf16_weights(cfg.train.precision, cfg.train.bf16_mode, sharded=dist.fsdp)
     bar = _progress(cfg.train.steps, progress)
     stop_msg, requested, last = None, None, start - 1
     with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar, frozen_gc():  # setup's objects: no GC walks
@@ -414,7 +416,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             t1 = t2 - scoring_s  # rollout time excludes scoring
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
             #    failed trajectories are masked (a step with nothing valid trains nothing)
-            engine.sleep()  # a colocated vLLM frees its GPU memory for the update (a no-op elsewhere)
+            # a colocated vLLM frees its GPU memory for the update; an HF engine's bf16 copy becomes the
+            # storage of the update's bf16 weights (train.bf16_mode=weights), refilled by the sync below
+            ctx.lent_weights = engine.lend_weights(models.policy) if lend else engine.sleep()
             with peaks("update"), mmap_threshold(update_mmap_mb):
                 # rl_update, or online DPO's preference update, on the engine's thread (one thread computes)
                 upd = on_model_thread(update_step, ctx, scored, cfg.train.group_size)

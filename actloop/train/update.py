@@ -33,6 +33,7 @@ from actloop.monitor.metrics import mean
 from actloop.train.critic import Critic
 from actloop.rollout.engine import autocast_context
 from actloop.train.logprobs import backbone_and_head, hidden_at_targets, pack, place, token_logprobs
+from actloop.train.mixed_precision import update_precision
 from actloop.types import Scored
 
 @dataclass
@@ -44,6 +45,7 @@ class UpdateContext:
     beta: float  # current KL coefficient (fixed or adaptive)
     correction: str  # resolved IS-correction mode ("none" when the engine is the trainer's forward)
     dist: Any = None  # actloop.train.distributed.Dist under torchrun (docs/distributed.md); None = one process
+    lent_weights: dict[int, torch.Tensor] | None = None  # the engine's bf16 tensors for the update's casts (lend_weights)
 
 
 def _turn_ids(s: Scored) -> torch.Tensor:
@@ -128,11 +130,19 @@ def _share_prefix(ctx: UpdateContext) -> bool:
     return ctx.dist is None or not ctx.dist.fsdp
 
 
+def _precision(ctx: UpdateContext, need_ref: bool = False):
+    """The context of the update's passes (actloop.train.mixed_precision): bf16 weights of the
+    policy, and of a separate reference model when KL needs it, under train.bf16_mode=weights."""
+    t = ctx.cfg.train
+    return update_precision(t.precision, t.bf16_mode, ctx.models.policy, ctx.models.reference_model() if need_ref else None,
+                            sharded=ctx.dist is not None and ctx.dist.fsdp, buffers=ctx.lent_weights)
+
+
 def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_ref: bool, need_values: bool) -> None:
     """No-grad pass over rows idx: old log-probs, reference log-probs (need_ref), critic values
     (need_values) into the batch."""
     t = ctx.cfg.train
-    with torch.no_grad():
+    with torch.no_grad(), _precision(ctx, need_ref):
         micros = _micro(ctx, batch, idx)
         pad = ctx.dist.missing(len(micros)) if ctx.dist is not None else 0  # FSDP: as many passes as every rank
         for _ in range(pad):
@@ -334,13 +344,14 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
             num_seqs, num_tokens = ctx.dist.sum_ints(num_seqs, num_tokens)
             pad = ctx.dist.missing(len(micros))
         ctx.optimizer.zero_grad(set_to_none=True)
-        for _ in range(pad):
-            ctx.dist.dummy_pass(ctx, grad=True)
-        for mb in micros:
-            loss, m = micro_batch_loss(ctx, batch.rows(mb), token_weights_args=(num_seqs, num_tokens, max_tokens))
-            loss.backward()
-            for k, val in m.items():
-                acc.setdefault(k, []).append(val)
+        with _precision(ctx):  # bf16 weights for the passes; the fp32 gradients are in place after it
+            for _ in range(pad):
+                ctx.dist.dummy_pass(ctx, grad=True)
+            for mb in micros:
+                loss, m = micro_batch_loss(ctx, batch.rows(mb), token_weights_args=(num_seqs, num_tokens, max_tokens))
+                loss.backward()
+                for k, val in m.items():
+                    acc.setdefault(k, []).append(val)
         params = [p for g in ctx.optimizer.param_groups for p in g["params"]]
         clip = ctx.dist.clip_grad_norm_ if ctx.dist is not None else torch.nn.utils.clip_grad_norm_
         grad_norms.append(float(clip(params, t.max_grad_norm)))

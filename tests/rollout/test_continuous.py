@@ -186,6 +186,20 @@ def test_prefix_cache_entries_share_their_common_prefix():
         PrefixCache.MIN_SHARED = saved
 
 
+def _update_sync_and_compare(engine, model, precision, before):
+    """The "update" (every weight of the policy moves), sync_weights, then greedy decoding equals a
+    fresh engine's on the new weights and differs from `before` (the old weights' tokens)."""
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.sync_weights(model)
+    fresh = HFEngine(model, None, eos_token_ids=(0,), precision=precision, weights="copy")
+    after = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+    assert after == fresh.generate([[5, 6, 7]], greedy)[0].token_ids and after != before
+    fresh.close()
+
+
 def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():
     """The trainer sleeps the engine before each update: the bf16/fp32 copy's storage is freed
     (the update's peak does not hold it), sampling then is a clear error, and sync_weights
@@ -203,14 +217,47 @@ def test_sleep_releases_the_copy_and_sync_brings_the_new_weights_back():
             raise AssertionError("a sleeping engine sampled")
         except RuntimeError as e:
             assert "sync_weights" in str(e)
-        with torch.no_grad():  # the "update": the policy changes while the copy sleeps
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.5)
-        engine.sync_weights(model)
-        fresh = HFEngine(model, None, eos_token_ids=(0,), precision="fp32", weights="copy")
-        after = engine.generate([[5, 6, 7]], greedy)[0].token_ids
-        assert after == fresh.generate([[5, 6, 7]], greedy)[0].token_ids and after != before
-        fresh.close()
+        _update_sync_and_compare(engine, model, "fp32", before)  # the policy changes while the copy sleeps
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_bf16_copy_lends_its_storage_to_the_updates_bf16_weights(lora):
+    """train.bf16_mode=weights: instead of sleeping, the bf16 copy's tensors hold the update's bf16
+    weights (no new 2-byte copy of the model), the engine refuses to sample until sync_weights, and
+    then samples with the policy's new weights (LoRA: merged again)."""
+    from actloop.train.mixed_precision import bf16_weights
+
+    model = _tiny().train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    engine = HFEngine(model, None, eos_token_ids=(0,), precision="bf16", weights="copy")
+    try:
+        greedy = SamplingParams(max_new_tokens=6, greedy=True)
+        before = engine.generate([[5, 6, 7]], greedy)[0].token_ids
+        lent = engine.lend_weights(model)
+        masters = [(n, p) for n, p in model.named_parameters() if ".lora_" not in n]
+        assert len(lent) == len(masters) and engine.asleep
+        with pytest.raises(RuntimeError, match="sync_weights"):
+            engine.generate([[5, 6, 7]], greedy)
+        with bf16_weights(model, buffers=lent):
+            for n, p in masters:
+                assert p.dtype == torch.bfloat16 and p.data_ptr() == lent[id(p)].data_ptr(), n
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            assert all(p.dtype == torch.bfloat16 for p in trainable)
+        _update_sync_and_compare(engine, model, "bf16", before)
+    finally:
+        engine.close()
+
+
+def test_an_fp32_copy_lends_nothing_and_sleeps():
+    engine = HFEngine(_tiny(), None, eos_token_ids=(0,), precision="fp32", weights="copy", share_weights=False)
+    try:
+        assert engine.lend_weights(engine.model) == {} and engine.asleep
+        assert all(t.untyped_storage().nbytes() == 0 for t in engine.model.state_dict().values())
     finally:
         engine.close()
 
