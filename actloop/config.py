@@ -276,9 +276,9 @@ class TrainConfig:
     mask_truncated: bool = opt(False, "Leave completions cut off at max_new_tokens out of the loss.")
     precision: str = opt(
         "auto",
-        "`auto` (bf16 autocast where the hardware computes bf16 natively: CUDA with bf16, CPUs with AVX-512 / AMX "
-        "or Arm BF16; fp32 elsewhere, e.g. AVX2-only CPUs, where bf16 matmuls are emulated and 2-9x slower), "
-        "`bf16` or `fp32`. Master weights stay fp32.",
+        "`auto` (bf16 mixed precision where the hardware computes bf16 natively: CUDA with bf16, CPUs with AVX-512 / "
+        "AMX or Arm BF16; fp32 elsewhere, e.g. AVX2-only CPUs, where bf16 matmuls are emulated and 2-9x slower), "
+        "`bf16` or `fp32`. Master weights stay fp32 (how the update computes in bf16: train.bf16_mode).",
     )
     bf16_mode: str = opt(
         "weights",
