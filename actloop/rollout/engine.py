@@ -223,6 +223,11 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
+def _plain_name(name: str) -> str | None:
+    """A peft base model's state name under the plain model's name; None for an adapter matrix."""
+    return None if ".lora_" in name else name.replace(".base_layer.", ".")
+
+
 def merged_weights(model: Any):
     """Yield (name, tensor): the policy's effective weights under plain-model names, one at a time;
     for a peft LoRA model each adapted layer's base weight plus its active adapters' delta
@@ -237,13 +242,13 @@ def merged_weights(model: Any):
     adapted = {f"{name}.base_layer.weight": mod for name, mod in base.named_modules()
                if isinstance(mod, LoraLayer) and not getattr(mod, "merged", False)}
     for name, t in base.state_dict().items():
-        if ".lora_" in name:  # adapter matrices: folded into their base weight
+        if (plain := _plain_name(name)) is None:  # adapter matrices: folded into their base weight
             continue
         if (mod := adapted.get(name)) is not None:
             for adapter in mod.active_adapters:
                 if adapter in mod.lora_A:
                     t = t + mod.get_delta_weight(adapter)
-        yield name.replace(".base_layer.", "."), t
+        yield plain, t
 
 
 def plain_named_parameters(model: Any):
@@ -253,8 +258,8 @@ def plain_named_parameters(model: Any):
         yield from model.named_parameters()
         return
     for name, p in model.get_base_model().named_parameters():
-        if ".lora_" not in name:
-            yield name.replace(".base_layer.", "."), p
+        if (plain := _plain_name(name)) is not None:
+            yield plain, p
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -418,7 +418,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             #    failed trajectories are masked (a step with nothing valid trains nothing)
             # a colocated vLLM frees its GPU memory for the update; an HF engine's bf16 copy becomes the
             # storage of the update's bf16 weights (train.bf16_mode=weights), refilled by the sync below
-            ctx.lent_weights = engine.lend_weights(models.policy) if lend else engine.sleep()
+            if lend:
+                ctx.lent_weights = engine.lend_weights(models.policy)
+            else:
+                engine.sleep()
             with peaks("update"), mmap_threshold(update_mmap_mb):
                 # rl_update, or online DPO's preference update, on the engine's thread (one thread computes)
                 upd = on_model_thread(update_step, ctx, scored, cfg.train.group_size)

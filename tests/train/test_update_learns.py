@@ -133,3 +133,42 @@ def test_token_budget_splits_micro_batches_without_changing_the_step(tiny_qwen3_
     assert n_b > n_a
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     assert max(float(v.abs().max()) for v in a.values()) > 1e-4  # the step changed the weights
+
+
+def test_a_bf16_update_runs_on_bf16_weights_and_learns(tiny_qwen3_dir, monkeypatch):
+    """train.precision=bf16 with the default train.bf16_mode=weights: the fixed pass and the optimizer
+    step's passes see bf16 parameters (every trainable one, the lent tensors used where given), the
+    optimizer steps fp32 masters, and the step still widens the margin."""
+    import actloop.train.mixed_precision as mp
+
+    cfg, models, scored = setup(tiny_qwen3_dir, "grpo", "train.precision=bf16", "train.epochs=2")
+    assert cfg.train.bf16_mode == "weights"
+    policy = models.policy
+    lent_param = next(p for n, p in policy.named_parameters() if n.endswith("layers.0.mlp.up_proj.weight"))
+    lent = {id(lent_param): torch.empty(lent_param.shape, dtype=torch.bfloat16)}  # as an engine's copy would lend
+    seen = []
+    real = mp.bf16_weights
+
+    def spy(*models_, buffers=None):
+        seen.append(buffers)
+        return real(*models_, buffers=buffers)
+
+    monkeypatch.setattr(mp, "bf16_weights", spy)
+    real_tl = token_logprobs
+
+    def check(model, *a, **k):  # every pass of the update computes on bf16 weights
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert lent_param.data_ptr() == lent[id(lent_param)].data_ptr()
+        return real_tl(model, *a, **k)
+
+    import actloop.train.update as upd
+
+    monkeypatch.setattr(upd, "token_logprobs", check)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.lr, weight_decay=0.0)
+    ctx = UpdateContext(cfg, models, opt, None, 0.0, "none", lent_weights=lent)
+    before = margin(policy, scored, cfg.rollout.temperature)
+    m = rl_update(ctx, scored, 2)
+    after = margin(policy, scored, cfg.rollout.temperature)
+    assert len(seen) == 1 + 2 and all(b is lent for b in seen)  # the fixed pass (epochs=2: old log-probs), 2 steps
+    assert {p.dtype for p in policy.parameters()} == {torch.float32} and m["optimizer_steps"] == 2
+    assert m["trained_trajectories"] == 2 and after > before + 0.05, (before, after)
