@@ -64,6 +64,7 @@ class Kernel:
     flags: tuple[str, ...]
     cpu: tuple[str, ...]
     argtypes: tuple[Any, ...]
+    restype: Any = None
 
 
 COMMON = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -79,6 +80,8 @@ KERNELS = {
     "rms_norm_bf16": Kernel("rms_norm_bf16.c", "actloop_rms_norm_bf16", (*AVX512, *COMMON), CPU_AVX512,
                             (_P,) * 5 + (_I,) * 6 + (_F,)),
     "rope_bf16": Kernel("rope_bf16.c", "actloop_rope_bf16", (*AVX512, *COMMON), CPU_AVX512, (_P,) * 3 + (_I,) * 9),
+    "decode_layers_bf16": Kernel("decode_layers_bf16.c", "actloop_decode_layers_bf16", (*AVX512, "-mavx512bf16", *COMMON),
+                                 (*CPU_AVX512, "avx512_bf16"), (_P,) * 7 + (_I,) * 9 + (_F,) * 2, ctypes.c_int),
 }
 LINEAR = {torch.float32: "linear_fp32", torch.bfloat16: "linear_bf16"}
 
@@ -108,7 +111,8 @@ def _build(kernel: Kernel) -> tuple[Callable | None, str]:
     if shutil.which(cc) is None:
         return None, f"no C compiler (`{cc}` not found; set CC)"
     source = Path(__file__).with_name(kernel.source)
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # bf16.h, small_linear_rows.h
+    # every header and source beside it: decode_layers_bf16.c includes the other kernels' sources
+    headers = b"".join(h.read_bytes() for h in sorted([*source.parent.glob("*.h"), *source.parent.glob("*.c")]))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *kernel.flags]).encode()).hexdigest()[:16]
     lib = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if not lib.exists():
@@ -121,7 +125,7 @@ def _build(kernel: Kernel) -> tuple[Callable | None, str]:
             os.replace(out, lib)
     fn = getattr(ctypes.CDLL(str(lib)), kernel.symbol)
     fn.argtypes = list(kernel.argtypes)
-    fn.restype = None
+    fn.restype = kernel.restype
     return fn, ""
 
 
@@ -237,3 +241,24 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     load("rope_bf16")(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, T, H, D, x.stride(0), x.stride(1),
                       x.stride(2), cos.stride(0), cos.stride(1))
     return x
+
+
+def decode_layers(x: torch.Tensor, weights: torch.Tensor, caches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  keep: torch.Tensor, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                  scale: float) -> torch.Tensor:
+    """Every decoder layer of one decode step in one call (`decode_layers_bf16.c`): x [B, H] bf16, the
+    embedded new tokens, becomes the residual stream after the last layer (in place); returns that
+    layer's MLP output r [B, H], which the final norm adds. weights: int64 [layers, 10] addresses (ln1,
+    Wqkv, bqkv, Wo, bo, ln2, Wgu, bgu, Wd, bd; 0 = no bias); caches: int64 [layers, 8] (K and V buffer
+    addresses, then K's and V's strides in batch, head, column), each with room for the new column
+    L - 1; cos / sin [B, D] (rows of equal stride, D contiguous); keep [B, L] uint8 (1 = a real key).
+    The caller checks shapes, dtypes and that `load("decode_layers_bf16")` is not None."""
+    B, H = x.shape
+    r = torch.empty_like(x)
+    failed = load("decode_layers_bf16")(
+        x.data_ptr(), r.data_ptr(), weights.data_ptr(), caches.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        keep.data_ptr(), weights.shape[0], B, H, heads, kv_heads, head_dim, intermediate, keep.shape[1], cos.stride(0),
+        eps, scale)
+    if failed:
+        raise MemoryError("decode_layers_bf16: its workspace could not be allocated")
+    return r

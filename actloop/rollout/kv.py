@@ -64,6 +64,21 @@ class SlackLayer(DynamicLayer):
         self._v, self._n_v = _append(self._v, self._n_v, value_states, self.slack)
         return self.keys, self.values
 
+    def reserve(self, m: int) -> bool:
+        """Room for m more columns in both buffers (re-allocated with `slack` spare columns when
+        they lack it, as an append would), to be written in place and then counted with
+        `advance(m)`; False (nothing done) when the layer holds no buffers yet."""
+        if self._k is None or self._v is None:
+            return False
+        self._k = _with_room(self._k, self._n_k, m, self.slack, self._k)
+        self._v = _with_room(self._v, self._n_v, m, self.slack, self._v)
+        return True
+
+    def advance(self, m: int) -> None:
+        """Count m columns written in place after the filled ones (after `reserve(m)`)."""
+        self._n_k += m
+        self._n_v += m
+
     def get_seq_length(self) -> int:
         return self._n_k if self.is_initialized else 0
 
@@ -85,13 +100,20 @@ def _append(buf: torch.Tensor | None, n: int, new: torch.Tensor, slack: int) -> 
     """Write `new` ([B, H, m, D]) after the n filled columns of `buf`, re-allocating with `slack`
     spare columns when it does not fit (or the batch size changed)."""
     m = new.shape[-2]
-    if buf is None or buf.shape[:2] != new.shape[:2] or n + m > buf.shape[-2] or buf.dtype != new.dtype:
-        grown = new.new_empty((*new.shape[:2], n + m + slack, new.shape[-1]))
+    buf = _with_room(buf, n, m, slack, new)
+    buf[:, :, n : n + m] = new
+    return buf, n + m
+
+
+def _with_room(buf: torch.Tensor | None, n: int, m: int, slack: int, like: torch.Tensor) -> torch.Tensor:
+    """`buf`, or a new buffer holding its n filled columns with room for m more and `slack` spare
+    ones, when it lacks the room or differs from `like` ([B, H, *, D]) in batch, heads or dtype."""
+    if buf is None or buf.shape[:2] != like.shape[:2] or n + m > buf.shape[-2] or buf.dtype != like.dtype:
+        grown = like.new_empty((*like.shape[:2], n + m + slack, like.shape[-1]))
         if buf is not None and n:
             grown[:, :, :n] = buf[:, :, :n]
         buf = grown
-    buf[:, :, n : n + m] = new
-    return buf, n + m
+    return buf
 
 
 def with_slack(cache: Any, slack: int = DEFAULT_SLACK) -> Any:

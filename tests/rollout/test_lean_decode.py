@@ -246,3 +246,69 @@ def test_a_bf16_forward_through_the_norm_and_rope_kernels_matches_torchs(family,
                              want.past_key_values).logits
     torch.testing.assert_close(got.logits.float(), want.logits.float(), atol=0.05, rtol=0.02)
     torch.testing.assert_close(step.float(), want_step.float(), atol=0.05, rtol=0.02)
+
+
+def _engine_copy(family):
+    """A bf16 model as the HF engine's own copy has it: no autograd, SmallBatchLinears, fused projections."""
+    model = FAMILIES[family]().to(torch.bfloat16).requires_grad_(False)
+    use_small_batch_linears(model)
+    fuse_projections(model)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama-bias-rope-scaling"])  # q/k/v (and o) biases
+@torch.no_grad()
+def test_a_decode_step_in_one_kernel_call_is_the_layer_by_layer_step(family, monkeypatch):
+    """`cpu_kernel.decode_layers` (every layer of a decode step in one call) against the per-operator
+    layers: the same logits and the same cache, over left-padded rows, several steps, a spare-column
+    re-allocation and a row leaving the batch (a strided view of the cache)."""
+    import actloop.rollout.lean_decode as LD
+    from actloop.rollout.kv import with_slack
+
+    _need("decode_layers_bf16")
+    model = _engine_copy(family)
+    assert LD._stack(model) is not None
+    calls = []
+    real_layers = cpu_kernel.decode_layers
+    monkeypatch.setattr(cpu_kernel, "decode_layers", lambda *a: calls.append(1) or real_layers(*a))
+    ids = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6, [0, 1, 1, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = lean_forward(model, ids, mask, pos, None)  # the prefill: per operator (T > 1)
+    assert not calls
+    caches = [with_slack(out.past_key_values, slack=2), with_slack(_copy(out.past_key_values), slack=2)]
+    tok, nxt = out.logits[:, -1].argmax(-1)[:, None], pos[:, -1:]
+    for step in range(5):
+        if step == 3:  # row 1 leaves: the caches keep rows 0 and 2 (a view of the buffer)
+            for c in caches:
+                for layer in c.layers:
+                    layer.keep([0, 2], 0)
+            tok, nxt, mask = tok[[0, 2]], nxt[[0, 2]], mask[[0, 2]]
+        mask, nxt = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), nxt + 1
+        got = lean_forward(model, tok, mask, nxt, caches[0]).logits
+        assert len(calls) == step + 1
+        with monkeypatch.context() as m:
+            m.setattr(LD, "_stacked_step", lambda *a: None)
+            want = lean_forward(model, tok, mask, nxt, caches[1]).logits
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2 ** -7)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        tok = want[:, -1].argmax(-1)[:, None]
+
+
+def test_decode_steps_the_one_call_does_not_take_go_layer_by_layer():
+    import actloop.rollout.lean_decode as LD
+    from actloop.rollout.kv import with_slack
+
+    _need("decode_layers_bf16")
+    assert LD._stack(_engine_copy("qwen3")) is None  # a per-head q/k norm
+    assert LD._stack(FAMILIES["llama"]().requires_grad_(False)) is None  # fp32, nothing fused
+    model = _engine_copy("llama")
+    most = cpu_kernel.max_rows(torch.bfloat16)  # more rows than the matmul kernel takes: layer by layer
+    for rows in (most, most + 1):
+        ids = torch.randint(0, 97, (rows, 4), generator=torch.Generator().manual_seed(6))
+        mask, pos = torch.ones_like(ids), torch.arange(4).expand(rows, 4)
+        cache = with_slack(lean_forward(model, ids, mask, pos, None).past_key_values)
+        x = model.model.embed_tokens(ids[:, :1])
+        cos, sin = model.model.rotary_emb(x, pos[:, :1] + 4)
+        assert (LD._stacked_step(model, x, cos, sin, torch.ones(rows, 5), cache) is None) == (rows > most)
