@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # above this the fp32 kernel is no faster than MKL (32 rows: 159-183 vs 161-202 ms)
 MAX_ROWS_BF16 = 16  # the bf16 kernel against oneDNN: see `max_rows`
+# rows of one `decode_layers` call: its matmuls go through the bf16 kernel at any row count, and saving
+# ~12 Python-level operators a layer outweighs oneDNN's faster GEMM up to ~48 rows (SmolLM2-135M, 150
+# keys, 2-core Zen 4, ms a step, one call against the operators: 8 rows 19-22 vs 27, 24: 47 vs 57-61,
+# 32: 69 vs 73-76, 48: 101-116 vs 98-124, 64: 145-156 vs 114-143)
+MAX_ROWS_STACKED = 32
 MAX_HEAD_DIM = 256  # decode_attention_bf16.c's MAXD
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

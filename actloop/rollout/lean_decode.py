@@ -292,14 +292,14 @@ def _stacked_step(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A decode step's layers in one `cpu_kernel.decode_layers` call: (x, r) as `_layers` returns
     them, the new keys and values written into the cache's spare column; None (nothing done) when
-    the step does not qualify: a model `_stack` refuses, more rows than the matmul kernel takes,
+    the step does not qualify: a model `_stack` refuses, more than `cpu_kernel.MAX_ROWS_STACKED` rows,
     a cache other than `SlackLayer`s of bf16 [B, kv_heads, *, D] with one length."""
     if "_actloop_stack" not in model.__dict__:  # the engine's copy does not change shape: checked once
         model.__dict__["_actloop_stack"] = _stack(model)
     spec = model.__dict__["_actloop_stack"]
     B, _, H = x.shape
     layers = getattr(cache, "layers", None)
-    if spec is None or not 0 < B <= cpu_kernel.max_rows(torch.bfloat16) or not layers \
+    if spec is None or not 0 < B <= cpu_kernel.MAX_ROWS_STACKED or not layers \
             or len(layers) != len(model.model.layers) or x.dtype != torch.bfloat16 \
             or cos.shape != (B, 1, spec.head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride() \
             or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.stride(-1) != 1:

@@ -304,7 +304,7 @@ def test_decode_steps_the_one_call_does_not_take_go_layer_by_layer():
     assert LD._stack(_engine_copy("qwen3")) is None  # a per-head q/k norm
     assert LD._stack(FAMILIES["llama"]().requires_grad_(False)) is None  # fp32, nothing fused
     model = _engine_copy("llama")
-    most = cpu_kernel.max_rows(torch.bfloat16)  # more rows than the matmul kernel takes: layer by layer
+    most = cpu_kernel.MAX_ROWS_STACKED  # more rows than one call takes: layer by layer
     for rows in (most, most + 1):
         ids = torch.randint(0, 97, (rows, 4), generator=torch.Generator().manual_seed(6))
         mask, pos = torch.ones_like(ids), torch.arange(4).expand(rows, 4)
