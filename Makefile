@@ -44,7 +44,8 @@ demo: setup
 # time so that module fixtures load once: 21 min against 27 min in one process on the 2-core box
 # under the same load. `.ci/run` from a fresh clone, idle, 2026-12-02: 19 min 12 s, setup included
 # (pytest 17 min 7 s); 2026-12-04, the Zen 4 box, idle, the venv already set up: 12 min 50 s (pytest 12 min 39 s,
-# 1220 passed); that evening `.ci/run` from a fresh clone: 14 min 35 s (pytest 12 min 34 s, 1238 passed).
+# 1220 passed); that evening `.ci/run` from a fresh clone: 14 min 35 s (pytest 12 min 34 s, 1238 passed);
+# that night: 13 min 10 s (pytest 11 min 49 s, 1244 passed).
 # TEST_WORKERS=0 runs in one process; more workers need ~5 GB of RAM each.
 TEST_WORKERS ?= 2
 test: setup
