@@ -22,7 +22,7 @@ operators otherwise), RoPE runs in place on q and k (`rope_`, bit for bit transf
 attention reads the bf16 cache (`attention`) and the projections are few-row matmuls (`linear`).
 A decode step (one new token per row) of such a copy whose projections are fused
 (`fuse_projections`) runs all its layers in one call of the same kernels (`_stacked_step`,
-`cpu_kernel.decode_layers`): SmolLM2-135M, 8 rows, 2-core Zen 4, 28.6-30.3 -> 19.2-21.6 ms a step,
+`cpu_kernel.decode_layers`): SmolLM2-135M, 8 rows, 2-core Zen 4, 27.3-36.1 -> 19.2-23.6 ms a step,
 the same logits and cache bit for bit (docs/performance.md).
 
 It applies to the dense, full-attention decoder families whose layers have exactly this shape
@@ -264,21 +264,22 @@ def _stack(model: Any) -> _Stack | None:
     is not of its one shape: q/k/v and gate/up fused (`fuse_projections`), bf16 contiguous weights,
     no per-head norm (Qwen3), SiLU, one eps and one attention scale; and the kernel built."""
     layers = model.model.layers
-    a0, m0 = layers[0].self_attn, layers[0].mlp
-    qkv, gu = getattr(a0, "_actloop_fused", None), getattr(m0, "_actloop_fused", None)
-    if qkv is None or gu is None or len(qkv[2]) != 3 or len(gu[2]) != 2:
+    a0 = layers[0].self_attn
+    qkv0, gu0 = getattr(a0, "_actloop_fused", None), getattr(layers[0].mlp, "_actloop_fused", None)
+    if qkv0 is None or gu0 is None or len(qkv0[2]) != 3 or len(gu0[2]) != 2:
         return None
     D = a0.head_dim
-    heads, kv_heads, inter = qkv[2][0] // D, qkv[2][1] // D, gu[2][0]
-    spec = _Stack(heads, kv_heads, D, inter, float(layers[0].input_layernorm.variance_epsilon), float(a0.scaling))
-    if D > cpu_kernel.MAX_HEAD_DIM or D % 2 or kv_heads == 0 or heads % kv_heads \
-            or list(qkv[2]) != [heads * D, kv_heads * D, kv_heads * D] or list(gu[2]) != [inter, inter]:
+    spec = _Stack(qkv0[2][0] // D, qkv0[2][1] // D, D, gu0[2][0], float(layers[0].input_layernorm.variance_epsilon),
+                  float(a0.scaling))
+    if D > cpu_kernel.MAX_HEAD_DIM or D % 2 or spec.kv_heads == 0 or spec.heads % spec.kv_heads:
         return None
+    qkv_sizes = [spec.heads * D, spec.kv_heads * D, spec.kv_heads * D]  # every layer's fused row blocks
+    gu_sizes = [spec.intermediate, spec.intermediate]
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         qkv, gu = getattr(a, "_actloop_fused", None), getattr(m, "_actloop_fused", None)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if qkv is None or gu is None or list(qkv[2]) != list(a0._actloop_fused[2]) or list(gu[2]) != list(m0._actloop_fused[2]) \
+        if qkv is None or gu is None or list(qkv[2]) != qkv_sizes or list(gu[2]) != gu_sizes \
                 or hasattr(a, "q_norm") or type(m.act_fn).__name__ not in ("SiLUActivation", "SiLU") \
                 or type(a.o_proj) is not SmallBatchLinear or type(m.down_proj) is not SmallBatchLinear \
                 or not _bf16(qkv[0], qkv[1], gu[0], gu[1], a.o_proj.weight, a.o_proj.bias, m.down_proj.weight,
