@@ -28,24 +28,8 @@
 #include "decode_attention_bf16.c"
 #include "rms_norm_bf16.c"
 #include "rope_bf16.c"
+#include "simd_math.h"
 #include "small_linear_bf16.c"
-
-/* e^v for 16 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp in fp32) */
-static inline __m512 exp_ps(__m512 v) {
-    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647950f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 t = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-    t = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), t);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(t, t), _mm512_add_ps(t, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* out[b, :I] = bf16(bf16(silu(gu[b, :I])) * gu[b, I:2I]) for the [B, 2I] gate/up product */
 static void silu_mul(const uint16_t *gu, uint16_t *out, int64_t B, int64_t I) {
