@@ -6,14 +6,21 @@ bf16) took 3.1 ms forward + 12.5 ms backward, against 2.8 + 4.0 ms for the same 
 matmuls and an fp32 softmax; over the update of `benchmarks/grpo_vs_trl.py` (30 layers, one forward
 and backward) ~0.35 s of ~3.4 s (docs/performance.md, 2026-12-04). The matmul path materialises the
 [B, Hq, S, L] scores (and keeps the probabilities for the backward), so it is taken only while
-B x Hq x S x L <= `MAX_SCORES` (2^20: the fp32 softmax output and the bf16 probabilities kept for
-the backward are 6 MB a layer at most, 190 MB over SmolLM2's 30 layers; the benchmark's update is
-0.85M); longer sequences keep SDPA's kernel, which never holds an L x L matrix
-(`benchmarks/memory_vs_length.py`).
+B x Hq x S x L <= `MAX_SCORES` (2^20: the probabilities kept for the backward are 2 MB a layer at
+most in bf16, 60 MB over SmolLM2's 30 layers; the benchmark's update is 0.85M); longer sequences
+keep SDPA's kernel, which never holds an L x L matrix (`benchmarks/memory_vs_length.py`).
 
     scores = q k^T * scale          # [B, Hkv, g, S, L], g = Hq / Hkv query heads per KV head
     scores[~mask] = finfo.min       # masked keys (a query with none left gets a uniform row: a pad)
-    out = softmax(scores, fp32) v   # [B, S, Hq, D], as transformers' sdpa_attention_forward returns
+    out = softmax(scores) v         # [B, S, Hq, D], as transformers' sdpa_attention_forward returns
+
+The scores stay in the matmul's dtype: a bf16 product is already rounded to bf16, and torch's CPU
+softmax sums a bf16 row in fp32 and rounds its output once, so the probabilities are those of an
+fp32 softmax over the same scores (bit for bit in all but ~1e-5 of them), without the fp32 copy of
+the scores and the fp32 softmax output the backward used to keep (~115 MB and ~0.1 s of page faults
+and copies in the benchmark's update, docs/performance.md); its backward then reads the bf16
+probabilities. The scale is applied in bf16, as transformers' eager attention does (exact for a
+power-of-two scale such as SmolLM2's 1/8).
 
 It is what `train.attn_implementation=auto` loads on a CPU for a model without attention sinks
 (actloop/models/attention.py). Anything it does not take — dropout, a soft cap, an additive (float)
@@ -51,7 +58,8 @@ def small_attention(module, query, key, value, attention_mask, dropout: float = 
         keep = torch.ones((S, L), dtype=torch.bool, device=query.device).tril(L - S)  # [S, L]
     else:
         keep = attention_mask.unsqueeze(2)  # [B or 1, 1, 1, S, L]
-    scores = scores.float().mul_(scale).masked_fill_(~keep, torch.finfo(torch.float32).min)  # [B, Hkv, g, S, L]
+    # in the scores' own dtype: torch's CPU softmax sums a bf16 tensor in fp32 and rounds its output once
+    scores = scores.mul_(scale).masked_fill_(~keep, torch.finfo(scores.dtype).min)  # [B, Hkv, g, S, L]
     probs = torch.softmax(scores, -1).to(value.dtype).view(B, Hkv, g * S, L)
     out = torch.matmul(probs, value).view(B, Hq, S, D)
     return out.transpose(1, 2).contiguous(), None
