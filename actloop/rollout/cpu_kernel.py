@@ -1,7 +1,9 @@
 """actloop's CPU decode kernels, built on first use: an fp32 matmul for few rows (`small_linear.c`,
 AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16), and for a bf16 engine copy on AVX-512 a
-one-query attention (`decode_attention_bf16.c`), RMSNorm after a residual add (`rms_norm_bf16.c`)
-and RoPE in place (`rope_bf16.c`); the bf16 ones share `bf16.h`.
+one-query attention (`decode_attention_bf16.c`, AVX512-BF16), RMSNorm after a residual add
+(`rms_norm_bf16.c`) and RoPE in place (`rope_bf16.c`); the bf16 ones share `bf16.h` (and
+`simd_math.h`: exp, 8 horizontal sums at once). One kernel serves the trainer: the softmax side of
+the lm_head's log-probs over bf16 logits, forward and backward (`head_logprob_bf16.c`).
 
 A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
 is one pass over the weights per step. MKL's sgemm (fp32, AVX2) and oneDNN's bf16 GEMM are far
@@ -80,13 +82,18 @@ KERNELS = {
                           (_P,) * 4 + (_I,) * 3),
     "linear_bf16": Kernel("small_linear_bf16.c", "actloop_small_linear_bf16", (*AVX512, "-mavx512bf16", *COMMON),
                           (*CPU_AVX512, "avx512_bf16"), (_P,) * 4 + (_I,) * 3),
-    "attention_bf16": Kernel("decode_attention_bf16.c", "actloop_decode_attention_bf16", (*AVX512, *COMMON), CPU_AVX512,
-                             (_P,) * 6 + (_I,) * 13 + (_F,)),
+    "attention_bf16": Kernel("decode_attention_bf16.c", "actloop_decode_attention_bf16",
+                             (*AVX512, "-mavx512bf16", *COMMON), (*CPU_AVX512, "avx512_bf16"), (_P,) * 6 + (_I,) * 13 + (_F,)),
     "rms_norm_bf16": Kernel("rms_norm_bf16.c", "actloop_rms_norm_bf16", (*AVX512, *COMMON), CPU_AVX512,
                             (_P,) * 5 + (_I,) * 6 + (_F,)),
     "rope_bf16": Kernel("rope_bf16.c", "actloop_rope_bf16", (*AVX512, *COMMON), CPU_AVX512, (_P,) * 3 + (_I,) * 9),
     "decode_layers_bf16": Kernel("decode_layers_bf16.c", "actloop_decode_layers_bf16", (*AVX512, "-mavx512bf16", *COMMON),
                                  (*CPU_AVX512, "avx512_bf16"), (_P,) * 7 + (_I,) * 9 + (_F,) * 2, ctypes.c_int),
+    # the trainer's lm_head softmax over bf16 logits (train/logprobs.py), forward and backward
+    "head_logprob_bf16": Kernel("head_logprob_bf16.c", "actloop_head_logprob_bf16", (*AVX512, *COMMON), CPU_AVX512,
+                                (_P,) * 5 + (_I,) * 2 + (_F,)),
+    "head_logprob_grad_bf16": Kernel("head_logprob_bf16.c", "actloop_head_logprob_grad_bf16", (*AVX512, *COMMON),
+                                     CPU_AVX512, (_P,) * 4 + (_I,) * 2 + (_F,)),
 }
 LINEAR = {torch.float32: "linear_fp32", torch.bfloat16: "linear_bf16"}
 
@@ -267,3 +274,32 @@ def decode_layers(x: torch.Tensor, weights: torch.Tensor, caches: torch.Tensor, 
     if failed:
         raise MemoryError("decode_layers_bf16: its workspace could not be allocated")
     return r
+
+
+def can_head(z: torch.Tensor) -> bool:
+    """Whether `head_logprob` / `head_logprob_grad_` take these logits: [N, V] bf16 on the CPU,
+    contiguous, and both kernels built."""
+    return (z.dtype == torch.bfloat16 and z.device.type == "cpu" and z.dim() == 2 and z.is_contiguous()
+            and load("head_logprob_bf16") is not None and load("head_logprob_grad_bf16") is not None)
+
+
+def head_logprob(z: torch.Tensor, tgt: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
+    """Logits z [N, V] bf16, targets [N] -> fp32 [N] each: log softmax(z / T)[target], the
+    log-normaliser logsumexp(z / T) and the entropy (`head_logprob_bf16.c`; `can_head` first)."""
+    N, V = z.shape
+    tgt = tgt.to(torch.int64).contiguous()
+    lp, lse, ent = (torch.empty(N, dtype=torch.float32) for _ in range(3))
+    load("head_logprob_bf16")(z.data_ptr(), tgt.data_ptr(), lp.data_ptr(), lse.data_ptr(), ent.data_ptr(), N, V,
+                              temperature)
+    return lp, lse, ent
+
+
+def head_logprob_grad_(z: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    """z [N, V] bf16 logits becomes, in place, the gradient of sum_n grad[n] * lp[n] with respect to
+    them: (onehot(target) - softmax(z / T)) * grad / T, in bf16; lse from `head_logprob`. Returns z."""
+    N, V = z.shape
+    tgt = tgt.to(torch.int64).contiguous()
+    lse, grad = lse.float().contiguous(), grad.float().contiguous()
+    load("head_logprob_grad_bf16")(z.data_ptr(), tgt.data_ptr(), lse.data_ptr(), grad.data_ptr(), N, V, temperature)
+    return z

@@ -25,6 +25,7 @@ import torch
 from actloop.algos.routing import routing_disagreement
 from actloop.models.attention import layer_masks, mask_dtype, uncropped_cache, uses_layer_masks
 from actloop.models.routing import require_routing, routing_state
+from actloop.rollout import cpu_kernel
 from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache, use_bf16
 from actloop.rollout.kv import replayable_cache
 
@@ -241,7 +242,10 @@ class ChunkedHeadLogprob(torch.autograd.Function):
 
     Per chunk of c rows the forward allocates two [c, V] fp32 buffers (the logits, shifted by their
     row max, and the softmax) and the backward one (the bf16 copy of the gradient): each is ~100 MB
-    for 512 rows of a 49k vocabulary, and each fresh one is paid in page faults (docs/performance.md)."""
+    for 512 rows of a 49k vocabulary, and each fresh one is paid in page faults (docs/performance.md).
+    bf16 logits on a CPU with AVX-512 skip all three: `cpu_kernel.head_logprob` reads the softmax's
+    sums off the bf16 logits, and `cpu_kernel.head_logprob_grad_` writes the gradient over them (the
+    kept or recomputed chunk), the same maths in fp32 lanes."""
 
     @staticmethod
     def forward(ctx, h, weight, tgt, temperature: float, chunk: int, dtype):
@@ -250,8 +254,17 @@ class ChunkedHeadLogprob(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)  # softmax maths: fp32 (fp64 in tests)
         lp, ent, lse = (torch.empty(h.shape[0], device=h.device, dtype=acc) for _ in range(3))
         p = None
+        fused = None  # the kernel path (bf16 logits, AVX-512), decided on the first chunk
         for s in range(0, h.shape[0], step):  # at most two [c, V] floats alive: z and p
-            z = (h[s : s + step].to(dtype) @ w.T).to(acc)  # [c, V]
+            z = h[s : s + step].to(dtype) @ w.T  # [c, V] in dtype
+            if fused is None:
+                fused = acc == torch.float32 and cpu_kernel.can_head(z)
+            if fused:  # the bf16 logits are kept instead of the softmax
+                lp[s : s + step], lse[s : s + step], ent[s : s + step] = cpu_kernel.head_logprob(
+                    z, tgt[s : s + step], temperature)
+                p = z
+                continue
+            z = z.to(acc)
             if temperature != 1.0:
                 z.div_(temperature)
             top = z.amax(-1, keepdim=True)  # [c, 1]
@@ -266,7 +279,7 @@ class ChunkedHeadLogprob(torch.autograd.Function):
             del z
         ctx.save_for_backward(h, weight, tgt, lse)
         ctx.softmax = p if h.shape[0] <= step else None  # an intermediate: the backward may write into it
-        ctx.temperature, ctx.step, ctx.dtype = temperature, step, dtype
+        ctx.temperature, ctx.step, ctx.dtype, ctx.fused = temperature, step, dtype, bool(fused)
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -282,13 +295,17 @@ class ChunkedHeadLogprob(torch.autograd.Function):
         one_chunk = h.shape[0] <= step
         for s in range(0, h.shape[0], step):
             hc = h[s : s + step].to(dtype)
-            if kept is not None:
-                g = kept.neg_()  # -softmax, in the forward's buffer
-            else:  # recomputed in place: one [c, V] float buffer
-                g = (hc @ w.T).to(lse.dtype).div_(T).sub_(lse[s : s + step, None]).exp_().neg_()
-            g.scatter_add_(-1, tgt[s : s + step, None], torch.ones_like(lse[s : s + step, None]))
-            g.mul_(grad_lp[s : s + step, None] / T)
-            g = g.to(dtype)
+            if ctx.fused:  # the gradient written over the kept (or recomputed) bf16 logits
+                g = cpu_kernel.head_logprob_grad_(kept if kept is not None else hc @ w.T, tgt[s : s + step],
+                                                  lse[s : s + step], grad_lp[s : s + step], T)
+            else:
+                if kept is not None:
+                    g = kept.neg_()  # -softmax, in the forward's buffer
+                else:  # recomputed in place: one [c, V] float buffer
+                    g = (hc @ w.T).to(lse.dtype).div_(T).sub_(lse[s : s + step, None]).exp_().neg_()
+                g.scatter_add_(-1, tgt[s : s + step, None], torch.ones_like(lse[s : s + step, None]))
+                g.mul_(grad_lp[s : s + step, None] / T)
+                g = g.to(dtype)
             if need_h:
                 grad_h[s : s + step] = (g @ w).to(h.dtype)
             if need_w:

@@ -185,3 +185,35 @@ def test_checkpointing_keeps_the_shared_prefix_with_exact_gradients(groups):
     assert n_ckpt == n_plain < sum(len(s) - 1 for s in seqs)  # the prefix ran once, as without checkpointing
     for n in plain:
         assert torch.allclose(plain[n], ckpt[n], atol=1e-5), n
+
+
+@pytest.mark.parametrize("chunk", [4, 100])  # several chunks (recomputed in the backward), one (kept)
+def test_the_bf16_kernel_computes_what_the_torch_path_does(chunk, monkeypatch):
+    """bf16 logits on an AVX-512 CPU take cpu_kernel.head_logprob(_grad_); the same values and
+    gradients as the fp32 torch maths over the same bf16 logits, up to fp32 and bf16 rounding."""
+    from actloop.rollout import cpu_kernel
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(9, 16, generator=g)
+    w = torch.randn(300, 16, generator=g) * 0.5
+    tgt = torch.randint(0, 300, (9,), generator=g)
+    upstream = torch.randn(9, generator=g)
+    if not cpu_kernel.can_head(torch.zeros(1, 16, dtype=torch.bfloat16)):
+        pytest.skip(f"the head kernel is unavailable here: {cpu_kernel.reason('head_logprob_bf16')}")
+
+    def run():
+        a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = ChunkedHeadLogprob.apply(a, b, tgt, 0.8, chunk, torch.bfloat16)
+        (lp * upstream).sum().backward()
+        return lp.detach(), ent, a.grad, b.grad
+
+    calls = []
+    real = cpu_kernel.head_logprob_grad_
+    monkeypatch.setattr(cpu_kernel, "head_logprob_grad_", lambda *a: calls.append(1) or real(*a))
+    fused = run()
+    assert len(calls) == (1 if chunk == 100 else 3)  # the kernel did run, once per chunk
+    monkeypatch.setattr(cpu_kernel, "can_head", lambda z: False)
+    plain = run()
+    for x, y in zip(fused, plain):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused[0], plain[0], atol=1e-5, rtol=1e-5)  # log-probs: fp32 sums over the same logits
