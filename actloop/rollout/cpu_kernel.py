@@ -2,8 +2,9 @@
 AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16), and for a bf16 engine copy on AVX-512 a
 one-query attention (`decode_attention_bf16.c`, AVX512-BF16), RMSNorm after a residual add
 (`rms_norm_bf16.c`) and RoPE in place (`rope_bf16.c`); the bf16 ones share `bf16.h` (and
-`simd_math.h`: exp, 8 horizontal sums at once). One kernel serves the trainer: the softmax side of
-the lm_head's log-probs over bf16 logits, forward and backward (`head_logprob_bf16.c`).
+`simd_math.h`: exp, 8 horizontal sums at once). Two serve the trainer's bf16 passes, forward and
+backward: the softmax side of the lm_head's log-probs over bf16 logits (`head_logprob_bf16.c`) and
+RMSNorm (`rms_norm_train_bf16.c`).
 
 A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
 is one pass over the weights per step. MKL's sgemm (fp32, AVX2) and oneDNN's bf16 GEMM are far
@@ -94,6 +95,11 @@ KERNELS = {
                                 (_P,) * 5 + (_I,) * 2 + (_F,)),
     "head_logprob_grad_bf16": Kernel("head_logprob_bf16.c", "actloop_head_logprob_grad_bf16", (*AVX512, *COMMON),
                                      CPU_AVX512, (_P,) * 4 + (_I,) * 2 + (_F,)),
+    # the trainer's RMSNorm of bf16 activations (train/fused_norm.py), forward and backward
+    "rms_norm_fwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_fwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
+                                (_P,) * 4 + (_I,) * 2 + (_F,)),
+    "rms_norm_bwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_bwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
+                                (_P,) * 7 + (_I,) * 3),
 }
 LINEAR = {torch.float32: "linear_fp32", torch.bfloat16: "linear_bf16"}
 
@@ -303,3 +309,37 @@ def head_logprob_grad_(z: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor, gr
     lse, grad = lse.float().contiguous(), grad.float().contiguous()
     load("head_logprob_grad_bf16")(z.data_ptr(), tgt.data_ptr(), lse.data_ptr(), grad.data_ptr(), N, V, temperature)
     return z
+
+
+def can_norm_train(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm_fwd` / `rms_norm_bwd` take these: x [rows, n] and weight [n] bf16 on the CPU,
+    contiguous, and both kernels built."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+            and x.is_contiguous() and weight.shape == (x.shape[1],) and weight.is_contiguous()
+            and load("rms_norm_fwd_bf16") is not None and load("rms_norm_bwd_bf16") is not None)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, n] -> (transformers' RMSNorm of x scaled by weight [rows, n] bf16, the rows' fp32
+    1 / rms [rows]) (`can_norm_train` first)."""
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    rstd = torch.empty(rows, dtype=torch.float32)
+    load("rms_norm_fwd_bf16")(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, n, eps)
+    return y, rstd
+
+
+def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, need_weight: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of `rms_norm_fwd` for the upstream dy [rows, n]: (dx [rows, n] bf16, dweight [n]
+    bf16 or None)."""
+    rows, n = x.shape
+    dy = dy.to(torch.bfloat16).contiguous()
+    dx = torch.empty((rows, n), dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    dw = torch.empty(n, dtype=torch.bfloat16) if need_weight else None
+    scratch = torch.empty((threads, n), dtype=torch.float32) if need_weight else None
+    load("rms_norm_bwd_bf16")(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                              None if dw is None else dw.data_ptr(), None if scratch is None else scratch.data_ptr(),
+                              rows, n, threads)
+    return dx, dw
