@@ -3,8 +3,8 @@ AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16), and for a bf16 engine
 one-query attention (`decode_attention_bf16.c`, AVX512-BF16), RMSNorm after a residual add
 (`rms_norm_bf16.c`) and RoPE in place (`rope_bf16.c`); the bf16 ones share `bf16.h` (and
 `simd_math.h`: exp, 8 horizontal sums at once). Two serve the trainer's bf16 passes, forward and
-backward: the softmax side of the lm_head's log-probs over bf16 logits (`head_logprob_bf16.c`) and
-RMSNorm (`rms_norm_train_bf16.c`).
+backward: the softmax side of the lm_head's log-probs over bf16 logits (`head_logprob_bf16.c`),
+RMSNorm (`rms_norm_train_bf16.c`) and the MLP's SiLU(gate) x up (`swiglu_train_bf16.c`).
 
 A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
 is one pass over the weights per step. MKL's sgemm (fp32, AVX2) and oneDNN's bf16 GEMM are far
@@ -100,6 +100,11 @@ KERNELS = {
                                 (_P,) * 4 + (_I,) * 2 + (_F,)),
     "rms_norm_bwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_bwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
                                 (_P,) * 7 + (_I,) * 3),
+    # the trainer's SiLU(gate) x up of bf16 activations (train/fused_ops.py), forward and backward
+    "swiglu_fwd_bf16": Kernel("swiglu_train_bf16.c", "actloop_swiglu_fwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
+                              (_P,) * 3 + (_I,)),
+    "swiglu_bwd_bf16": Kernel("swiglu_train_bf16.c", "actloop_swiglu_bwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
+                              (_P,) * 5 + (_I,)),
 }
 LINEAR = {torch.float32: "linear_fp32", torch.bfloat16: "linear_bf16"}
 
@@ -343,3 +348,29 @@ def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: 
                               None if dw is None else dw.data_ptr(), None if scratch is None else scratch.data_ptr(),
                               rows, n, threads)
     return dx, dw
+
+
+def can_swiglu(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `swiglu_fwd` / `swiglu_bwd` take these: gate and up of one shape, bf16 on the CPU,
+    contiguous, and both kernels built."""
+    return (gate.dtype == up.dtype == torch.bfloat16 and gate.device.type == up.device.type == "cpu"
+            and gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous()
+            and load("swiglu_fwd_bf16") is not None and load("swiglu_bwd_bf16") is not None)
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(silu(gate)) * up), elementwise (`can_swiglu` first)."""
+    out = torch.empty_like(gate)
+    load("swiglu_fwd_bf16")(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out
+
+
+def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, need_up: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of `swiglu_fwd` for the upstream grad: (d gate, d up or None), bf16."""
+    grad = grad.to(torch.bfloat16).contiguous()
+    dg = torch.empty_like(gate)
+    du = torch.empty_like(up) if need_up else None
+    load("swiglu_bwd_bf16")(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), dg.data_ptr(),
+                            None if du is None else du.data_ptr(), gate.numel())
+    return dg, du

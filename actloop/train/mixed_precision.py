@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from actloop.rollout.engine import use_bf16
-from actloop.train.fused_norm import fused_rms_norms
+from actloop.train.fused_ops import fused_operators
 
 def _kept_fp32(model: nn.Module) -> set[int]:
     """ids of the parameters of the modules a transformers model keeps in fp32
@@ -104,11 +104,11 @@ def uses_bf16_weights(precision: str, mode: str, sharded: bool = False) -> bool:
 def update_precision(precision: str, mode: str, *models: nn.Module | None, sharded: bool = False,
                      buffers: dict[int, torch.Tensor] | None = None):
     """The context an update's passes run in: `bf16_weights(*models, buffers=buffers)` and their
-    RMSNorms through `fused_rms_norms` where `uses_bf16_weights`, else nothing (the passes then
+    norms and MLPs through `fused_operators` where `uses_bf16_weights`, else nothing (the passes then
     autocast as `train.precision` says)."""
     if uses_bf16_weights(precision, mode, sharded):
         stack = contextlib.ExitStack()
         stack.enter_context(bf16_weights(*models, buffers=buffers))
-        stack.enter_context(fused_rms_norms(*models))  # bf16 activations: the norm kernel takes them
+        stack.enter_context(fused_operators(*models))  # bf16 activations: the norm and SwiGLU kernels take them
         return stack
     return contextlib.nullcontext()
