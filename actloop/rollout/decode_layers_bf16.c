@@ -38,9 +38,7 @@ static void silu_mul(const uint16_t *gu, uint16_t *out, int64_t B, int64_t I) {
         for (int64_t j = 0; j < I; j += 16) {
             __mmask16 m = first_lanes(I - j);
             __m512 gv = load_bf16(g + j, m);
-            __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                                 exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-            store_bf16(out + b * I + j, _mm512_mul_ps(s, load_bf16(u + j, m)), m);
+            store_bf16(out + b * I + j, _mm512_mul_ps(silu_bf16(gv), load_bf16(u + j, m)), m);
         }
     }
 }

@@ -1,7 +1,10 @@
-/* fp32 maths on 16 or 8 lanes for the AVX-512 kernels (`decode_attention_bf16.c`, `decode_layers_bf16.c`). */
+/* fp32 maths on 16 or 8 lanes for the AVX-512 kernels (`decode_attention_bf16.c`, `decode_layers_bf16.c`,
+ * `head_logprob_bf16.c`, `swiglu_train_bf16.c`). */
 #ifndef ACTLOOP_SIMD_MATH_H
 #define ACTLOOP_SIMD_MATH_H
 #include <immintrin.h>
+
+#include "bf16.h"
 
 /* e^v for 16 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp in fp32) */
 static inline __m512 exp_ps(__m512 v) {
@@ -18,6 +21,11 @@ static inline __m512 exp_ps(__m512 v) {
     p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(t, t), _mm512_add_ps(t, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* silu(v) = v / (1 + e^-v) in fp32, rounded to bf16: torch's bf16 SiLU, 16 lanes */
+static inline __m512 silu_bf16(__m512 v) {
+    return round_bf16(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
 }
 
 /* the horizontal sums of a[0], ..., a[7] as the 8 lanes of one register, in order: a tree of 15 adds

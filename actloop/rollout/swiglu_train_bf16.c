@@ -20,10 +20,7 @@ void actloop_swiglu_fwd_bf16(const uint16_t *g, const uint16_t *u, uint16_t *a, 
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j += 16) {
         __mmask16 m = first_lanes(n - j);
-        __m512 gv = load_bf16(g + j, m);
-        __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                               exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-        store_bf16(a + j, _mm512_mul_ps(s, load_bf16(u + j, m)), m);
+        store_bf16(a + j, _mm512_mul_ps(silu_bf16(load_bf16(g + j, m)), load_bf16(u + j, m)), m);
     }
 }
 
@@ -33,9 +30,7 @@ void actloop_swiglu_bwd_bf16(const uint16_t *g, const uint16_t *u, const uint16_
     for (int64_t j = 0; j < n; j += 16) {
         __mmask16 m = first_lanes(n - j);
         __m512 gv = load_bf16(g + j, m), dav = load_bf16(da + j, m);
-        __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                               exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-        if (du) store_bf16(du + j, _mm512_mul_ps(dav, s), m);
+        if (du) store_bf16(du + j, _mm512_mul_ps(dav, silu_bf16(gv)), m);
         __m512 ds = round_bf16(_mm512_mul_ps(dav, load_bf16(u + j, m)));
         __m512 sig = sigmoid_ps(gv);
         /* torch's order: dy * sig * (1 + x * (1 - sig)), no fused multiply-add */
