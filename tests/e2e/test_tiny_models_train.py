@@ -61,7 +61,10 @@ def test_train_tiny_model_on_the_calculator(which, replay, request, tmp_path):
     for r in lines:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
         assert r["failed_rollouts"] == 0 and r["trained_trajectories"] > 0 and r["grad_norm"] > 0
-    assert all(r["tool_tokens"] > 0 for r in lines)  # episodes went multi-turn: tool answers were fed back
+    # episodes went multi-turn: tool answers (or a malformed call's error) were fed back; over the run, as
+    # which of a step's 8 episodes of a tiny random model call the tool is a draw (one step had none after
+    # the fused norm/SwiGLU kernels changed the update's rounding, 2026-12-04)
+    assert sum(r["tool_tokens"] for r in lines) > 0
     if which == "tiny_gpt_oss_dir":  # Harmony calls parsed and executed (the 50-step cold start suffices)
         assert sum(r["tool_calls_per_episode"] for r in lines) > 0
     else:  # the tiny Qwen3 learns the <tool_call> shape but rarely valid JSON in 50 steps: calls are parsed,

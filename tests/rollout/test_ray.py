@@ -90,7 +90,8 @@ def test_train_through_ray_same_loop(ray_session, tmp_path):
     # 40 new tokens: the embedded model can finish a calculator tool call on the workers (12 never did)
     cfg = _cfg(tmp_path, "rollout.engine=ray", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4",
                "rollout.max_new_tokens=40", "rollout.max_turns=2", "train.eval_before=false", "train.eval_after=false",
-               "train.save_final=false", "checkpoint.at_end=false", "run_name=ray", "ray.num_sandbox_workers=1")
+               "train.save_final=false", "checkpoint.at_end=false", "run_name=ray", "ray.num_sandbox_workers=1",
+               "train.entropy_coef=0.01")  # every trajectory trains, even when all of a group's rewards are equal
     try:
         res = train(cfg, progress=False, print_fn=lambda *a: None)
         sandbox = code.default_sandbox()  # the code graders' sandbox is now the actors'
