@@ -45,7 +45,8 @@ demo: setup
 # under the same load. `.ci/run` from a fresh clone, idle, 2026-12-02: 19 min 12 s, setup included
 # (pytest 17 min 7 s); 2026-12-04, the Zen 4 box, idle, the venv already set up: 12 min 50 s (pytest 12 min 39 s,
 # 1220 passed); that evening `.ci/run` from a fresh clone: 14 min 35 s (pytest 12 min 34 s, 1238 passed);
-# that night: 13 min 10 s (pytest 11 min 49 s, 1244 passed).
+# that night: 13 min 10 s (pytest 11 min 49 s, 1244 passed); late that night, from a fresh clone: 11 min 35 s
+# (pytest 10 min 3 s, 1251 passed).
 # TEST_WORKERS=0 runs in one process; more workers need ~5 GB of RAM each.
 TEST_WORKERS ?= 2
 test: setup
