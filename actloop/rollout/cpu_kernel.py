@@ -2,7 +2,7 @@
 AVX2), its bf16 twin (`small_linear_bf16.c`, AVX512-BF16), and for a bf16 engine copy on AVX-512 a
 one-query attention (`decode_attention_bf16.c`, AVX512-BF16), RMSNorm after a residual add
 (`rms_norm_bf16.c`) and RoPE in place (`rope_bf16.c`); the bf16 ones share `bf16.h` (and
-`simd_math.h`: exp, 8 horizontal sums at once). Two serve the trainer's bf16 passes, forward and
+`simd_math.h`: exp, SiLU, 8 horizontal sums at once). Three serve the trainer's bf16 passes, forward and
 backward: the softmax side of the lm_head's log-probs over bf16 logits (`head_logprob_bf16.c`),
 RMSNorm (`rms_norm_train_bf16.c`) and the MLP's SiLU(gate) x up (`swiglu_train_bf16.c`).
 
@@ -95,7 +95,7 @@ KERNELS = {
                                 (_P,) * 5 + (_I,) * 2 + (_F,)),
     "head_logprob_grad_bf16": Kernel("head_logprob_bf16.c", "actloop_head_logprob_grad_bf16", (*AVX512, *COMMON),
                                      CPU_AVX512, (_P,) * 4 + (_I,) * 2 + (_F,)),
-    # the trainer's RMSNorm of bf16 activations (train/fused_norm.py), forward and backward
+    # the trainer's RMSNorm of bf16 activations (train/fused_ops.py), forward and backward
     "rms_norm_fwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_fwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
                                 (_P,) * 4 + (_I,) * 2 + (_F,)),
     "rms_norm_bwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_bwd_bf16", (*AVX512, *COMMON), CPU_AVX512,

@@ -1,6 +1,6 @@
 /* The softmax side of the trainer's lm_head log-probs (`train/logprobs.py`'s `ChunkedHeadLogprob`) for bf16
  * logits on a CPU with AVX-512, built and loaded by `actloop/rollout/cpu_kernel.py` (`head_logprob`,
- * `head_logprob_grad`).
+ * `head_logprob_grad_`).
  *
  * Forward, per row n of the logits z [N, V] (bf16, the head's matmul output), with s = z / T in fp32:
  *   m = max_v s_v,  S = sum_v e^(s_v - m),  lse[n] = m + log S

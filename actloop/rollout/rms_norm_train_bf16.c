@@ -1,11 +1,11 @@
 /* transformers' RMSNorm of bf16 rows, forward and backward, for the trainer's passes in bf16
- * (`train/fused_norm.py`), built and loaded by `actloop/rollout/cpu_kernel.py`.
+ * (`train/fused_ops.py`), built and loaded by `actloop/rollout/cpu_kernel.py`.
  *
  *   forward:  r = rsqrt(mean(x^2) + eps)  (fp32, per row, kept),  y = bf16(w * bf16(x r))
  *   backward: g = bf16(dy * w),  dx = bf16(r g - x r^3 mean(g x)),  dw = sum over rows of dy * bf16(x r)
  *
- * the forward is `rms_norm_bf16.c`'s maths (LlamaRMSNorm's `weight * (h.float() * rsqrt(h.float()
- * .pow(2).mean(-1) + eps)).to(bf16)`); the backward is what autograd computes through those
+ * the forward is the decode norm's row (`rms_norm_bf16.c`'s `rms_norm_row`: LlamaRMSNorm's `weight *
+ * (h.float() * rsqrt(h.float().pow(2).mean(-1) + eps)).to(bf16)`); the backward is what autograd computes through those
  * operators, in fp32 lanes, where torch runs ~8 operators each way and keeps two fp32 copies of
  * every normed activation for the backward (docs/performance.md). dw_scratch holds threads x n
  * floats (per-thread partial sums of dw). OpenMP splits the rows. */
@@ -14,27 +14,12 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "rms_norm_bf16.c" /* rms_norm_row: the decode norm's maths, bit for bit */
 
 void actloop_rms_norm_fwd_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, float *rstd, int64_t rows, int64_t n,
                                float eps) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; i++) {
-        const uint16_t *xi = x + i * n;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            __mmask16 m = first_lanes(n - j);
-            __m512 s = load_bf16(xi + j, m);
-            acc = _mm512_fmadd_ps(s, s, acc);
-        }
-        const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
-        rstd[i] = r;
-        const __m512 inv = _mm512_set1_ps(r);
-        for (int64_t j = 0; j < n; j += 16) {
-            __mmask16 m = first_lanes(n - j);
-            __m512 h = round_bf16(_mm512_mul_ps(load_bf16(xi + j, m), inv));
-            store_bf16(y + i * n + j, _mm512_mul_ps(load_bf16(w + j, m), h), m);
-        }
-    }
+    for (int64_t i = 0; i < rows; i++) rstd[i] = rms_norm_row(x + i * n, NULL, NULL, w, y + i * n, n, eps);
 }
 
 /* dw may be NULL (a frozen weight); then dw_scratch is not read */
