@@ -101,3 +101,20 @@ def test_swiglu_is_llama_mlps_silu_times_up_values_and_gradients():
     assert (got != want).float().mean() < 0.01
     torch.testing.assert_close(u2.grad, u1.grad, atol=0, rtol=2**-7)
     torch.testing.assert_close(g2.grad, g1.grad, atol=1e-3, rtol=2**-7)
+
+
+def test_the_updates_bf16_weights_context_routes_the_norms_and_mlps():
+    """update_precision (what every update pass runs in) turns the routing on under bf16 weights, and
+    only there: with the fp32 / autocast recipes the modules keep their own forward."""
+    from actloop.train.mixed_precision import update_precision
+
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg)
+    routed = lambda: sorted({type(m).__name__ for m in model.modules() if "forward" in vars(m)})  # noqa: E731
+    with update_precision("bf16", "weights", model):
+        assert routed() == ["LlamaMLP", "LlamaRMSNorm"]
+    assert routed() == []
+    for precision, mode in (("fp32", "weights"), ("bf16", "autocast")):
+        with update_precision(precision, mode, model):
+            assert routed() == []
