@@ -303,9 +303,12 @@ def test_ray_actor_sigkilled_mid_request_is_replaced_with_the_synced_weights(tmp
         before = engine.generate(prompt, greedy)[0]
         pid = ray.get(engine.workers[0].ready.remote())["pid"]
         result = {}
-        t = threading.Thread(target=lambda: result.update(out=engine.generate(prompt * 4, greedy)))
+        # 16 rows and an early kill: the request must still be running when the actor dies (4 rows could
+        # finish inside a 1 s sleep on a fast box, and the kill then found nothing to replace); a kill
+        # landing before the request reaches the actor fails it the same way
+        t = threading.Thread(target=lambda: result.update(out=engine.generate(prompt * 16, greedy)))
         t.start()
-        time.sleep(1.0)  # the actor is decoding
+        time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
         t.join(timeout=600)
         # lost: nothing; the shard ran again on a new actor that has the synced weights
