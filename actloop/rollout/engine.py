@@ -62,19 +62,27 @@ class Engine(Protocol):
     generated_tokens  sampled tokens over the engine's life (throughput metrics)
     runs_episodes     True when `run_episodes` runs whole episodes itself (Ray's workers)
     continuous_batching  True when `submit`ted requests join a live decode batch at token
-                      boundaries (HFEngine); the default `submit` batches what is waiting
+                      boundaries (HFEngine, VLLMEngine); the default `submit` batches what is waiting
+    own_thread        True when the engine computes on a thread of its own in this process and
+                      `run(fn)` executes fn there (the trainer's update then goes through `run`,
+                      so that one OpenMP pool computes); False: `run` calls fn in place
+    context_length    longest prompt + completion the engine takes (None: not known)
     """
 
     weights: str
     generated_tokens: int
     runs_episodes: bool
     continuous_batching: bool
+    own_thread: bool
+    context_length: int | None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Future: ...
 
     def sync_weights(self, model: Any) -> None: ...
+
+    def load_weights(self, weights: Any) -> None: ...
 
     def sleep(self) -> None: ...
 
@@ -98,12 +106,19 @@ class EngineBase:
     generated_tokens: int = 0
     runs_episodes: bool = False
     continuous_batching: bool = False
+    own_thread: bool = False
+    context_length: int | None = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         raise NotImplementedError
 
     def sync_weights(self, model: Any) -> None:
         raise NotImplementedError
+
+    def load_weights(self, weights: Any) -> None:
+        """Every weight of the model as (plain checkpoint name, full tensor) pairs, into the engine's
+        copy: the sync of a policy the engine cannot read itself (FSDP shards gathered by the trainer)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load gathered weights")
 
     def sleep(self) -> None:
         """Free accelerator memory for the update (colocated vLLM); a no-op elsewhere."""
@@ -371,20 +386,39 @@ class HFEngine(EngineBase):
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    @property
+    def own_thread(self) -> bool:  # the continuous batch's decode thread; lock-step decode runs on the caller's
+        return self.continuous_batching
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
         self.prefix_cache.clear()
         if self.weights == "live" or self.shared:  # shared tensors: the new weights are already there
             return
+        self.load_weights(merged_weights(model))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Any) -> None:
+        self.prefix_cache.clear()
         self.wake()
         dst = self.model.state_dict()
         written = set()
-        for name, t in merged_weights(model):
+        for name, t in weights:
             if name in dst:
                 dst[name].copy_(t)
                 written.add(name)
         if missing := set(dst) - written:  # a copy that would keep stale weights: say so
             raise RuntimeError(f"sync_weights: the policy has no weights for {sorted(missing)[:5]}")
+
+    def to(self, device: Any) -> "HFEngine":
+        """Move the engine's own copy (torchrun: onto the rank's device)."""
+        if self.weights == "copy":
+            self.model.to(device)
+        return self
 
     def sleep(self) -> None:
         """Before an update: the prefix cache goes (its entries come from the weights about to

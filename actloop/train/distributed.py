@@ -33,6 +33,7 @@ import torch
 
 from actloop.algos import ALGORITHMS
 from actloop.config import Config, ConfigError
+from actloop.rollout.factory import TORCHRUN_ENGINES
 from actloop.train.logprobs import token_logprobs
 
 
@@ -72,8 +73,9 @@ def check_supported(cfg: Config, world: int) -> None:
         problems.append("lora.enabled is not supported under torchrun (the engine copy is the base with the "
                         "adapter merged in, while the FSDP sync copies gathered tensors by name; gathering and "
                         "merging a sharded adapter is not implemented, and a 135M-2B LoRA run fits one device)")
-    if cfg.rollout.engine != "hf":
-        problems.append(f"rollout.engine={cfg.rollout.engine}: only the hf engine runs under torchrun")
+    if cfg.rollout.engine not in TORCHRUN_ENGINES:
+        problems.append(f"rollout.engine={cfg.rollout.engine}: only the engines {', '.join(TORCHRUN_ENGINES)} run "
+                        "under torchrun (auto picks hf there)")
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -207,12 +209,9 @@ class Dist:
         if not self.fsdp:
             engine.sync_weights(model)
             return
-        src = self.full_state_dict(model)
         if engine.weights == "live":
             raise ConfigError("an FSDP-sharded policy cannot be sampled live; the engine needs weights='copy'")
-        engine.wake()  # a sleeping HF copy: its storage back before the copy
-        for name, t in engine.model.state_dict().items():
-            t.copy_(src[name])
+        engine.load_weights(self.full_state_dict(model).items())
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> float:
         """Clip by the global norm of the whole (sharded or replicated) gradient; return it.
@@ -272,8 +271,8 @@ class Dist:
         if not self.active:
             return models.policy
         torch.manual_seed(cfg.seed + self.rank)  # ranks sample their own prompts with their own draws
-        if getattr(engine, "weights", None) == "copy" and hasattr(engine, "model"):
-            engine.model.to(self.device)
+        if hasattr(engine, "to"):  # an engine holding its own copy in this process: onto this rank's device
+            engine.to(self.device)
         if models.reference is not None:
             models.reference.to(self.device)
         if not cfg.distributed.fsdp:

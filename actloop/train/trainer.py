@@ -29,7 +29,7 @@ from actloop.models.routing import require_routing
 from actloop.monitor.metrics import mean, std
 from actloop.monitor.monitor import Monitor
 from actloop.rollout.engine import SamplingParams
-from actloop.rollout.factory import make_engine
+from actloop.rollout.factory import make_engine, resolve_engine
 from actloop.rollout.renderer import Renderer
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
@@ -282,12 +282,13 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     for note in task.info.get("notes", []):  # e.g. how many custom rows are held out for evaluation
         print_fn(note)
     alg = ALGORITHMS[cfg.algo]
-    # One thread computes: the HF engine's decode thread runs decode, the update and the weight sync
-    # (`engine.run`), with this process's torch threads; this thread keeps one, so that it never starts
-    # an OpenMP pool of its own (two pools on the same cores throttle libgomp's spin-wait: every
-    # parallel region of either waits on a futex; HFEngine's docstring, docs/performance.md)
+    print_fn("engine: {} ({})".format(*resolve_engine(cfg)))
+    # One thread computes: an engine with a thread of its own (HF's continuous batch, colocated vLLM) runs
+    # decode, the update and the weight sync there (`engine.run`), with this process's torch threads; this
+    # thread keeps one, so that it never starts an OpenMP pool of its own (two pools on the same cores
+    # throttle libgomp's spin-wait: every parallel region of either waits on a futex; HFEngine's docstring)
     compute_threads = torch.get_num_threads()
-    one_compute_thread = cfg.rollout.engine == "hf" and not dist.active
+    one_compute_thread = not dist.active
     if one_compute_thread:
         torch.set_num_threads(1)
     peaks = PhasePeaks(trim=cfg.train.malloc_trim)  # peak RSS per phase: metrics peak_mem_mb/<phase>, summary peak_mem_mb
@@ -301,7 +302,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     renderer = Renderer.from_config(models.tokenizer, cfg)
     with peaks("model_load"):
         engine = make_engine(cfg, models, renderer, threads=compute_threads)
-    if one_compute_thread and not engine.continuous_batching:  # lock-step decode (sliding windows, MoE) runs here
+    if one_compute_thread and not engine.own_thread:  # lock-step HF decode (sliding windows, MoE), remote engines
         torch.set_num_threads(compute_threads)
         one_compute_thread = False
     on_model_thread = engine.run if one_compute_thread else (lambda fn, *a: fn(*a))
@@ -428,7 +429,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                     scheduler.step()
+                t_sync = time.time()
                 on_model_thread(dist.sync_engine, engine, models.policy)  # FSDP: the gathered full weights
+                sync_s = time.time() - t_sync
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target); a step that
             #    trained nothing (all masked) measured no KL: its 0.0 is a placeholder, beta stays
             if upd.get("trained_trajectories", 1):
@@ -451,6 +454,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                 rollout_s=round(t1 - t0, 3),
                 scoring_s=round(t2 - t1, 3),
                 update_s=round(t3 - t2, 3),
+                sync_s=round(sync_s, 3),  # new weights into the engine (part of update_s)
                 step_s=round(t3 - t0, 3),
                 gen_tokens_per_s=round(new_tokens / max(t1 - t0, 1e-9), 1),
             )
