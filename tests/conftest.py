@@ -10,6 +10,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 
+# rollout.engine=auto means vLLM where it is installed; the tests of the loop, the tasks and the tools run
+# on the HF engine, which starts in a second (vLLM: 4-15 s, 55 s before its compile cache holds the model).
+# vLLM's own tests name it (tests/rollout/test_vllm_real.py, tests/e2e/test_vllm_e2e.py, which also runs
+# the default `auto` with this variable removed).
+os.environ.setdefault("ACTLOOP_AUTO_ENGINE", "hf")
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("ACTLOOP_SHARED_DATA", ROOT.parent / "shared" / "data"))
 

@@ -193,21 +193,35 @@ class _QuietVLLM(logging.Filter):
         return not any(n in msg for n in self.NOISE)
 
 
-def _quiet_vllm_logs() -> None:
-    """`_QuietVLLM` on vLLM's own log handlers (its modules' records propagate to them)."""
-    for handler in logging.getLogger("vllm").handlers:
-        if not any(isinstance(f, _QuietVLLM) for f in handler.filters):
-            handler.addFilter(_QuietVLLM())
+def _logging_config() -> str:
+    """A vLLM logging config (VLLM_LOGGING_CONFIG_PATH): vLLM's own handler and format at WARNING, with
+    `_QuietVLLM` on the handler. vLLM re-applies its logging config while it starts, so a filter added
+    to its handler from outside is dropped; this file is what it applies."""
+    import tempfile
+
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S",
+                                "format": "%(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"}},
+        "filters": {"quiet": {"()": f"{__name__}._QuietVLLM"}},
+        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "WARNING",
+                              "stream": "ext://sys.stdout", "filters": ["quiet"]}},
+        "loggers": {"vllm": {"handlers": ["vllm"], "level": "WARNING", "propagate": False}},
+    }
+    path = Path(tempfile.gettempdir()) / f"actloop-vllm-logging-{os.getuid()}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 def _engine_env() -> None:
     """Environment vLLM reads at start: its engine core in this process (the weight sync hands it
     tensors, not copies); on a CPU the older torch.compile cache (vLLM 0.32's AOT-compiled artefact
     fails to load back on the CPU backend, so every start recompiled: 55 s against 15 s with the
-    cache); warnings and errors only."""
+    cache); warnings and errors only, less `_QuietVLLM`'s lines (unless the user configured vLLM's logging)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if "VLLM_LOGGING_CONFIG_PATH" not in os.environ and "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = _logging_config()
 
 
 class VLLMEngine(EngineBase):
@@ -288,7 +302,6 @@ class VLLMEngine(EngineBase):
         import torch
         from vllm import LLM
 
-        _quiet_vllm_logs()
         set_threads = torch.set_num_threads
         omp = os.environ.get("OMP_NUM_THREADS")
         if omp is None:  # vLLM keeps the torch threads it finds only when OMP_NUM_THREADS is set
@@ -296,7 +309,6 @@ class VLLMEngine(EngineBase):
         try:
             return LLM(**self._build)
         finally:
-            _quiet_vllm_logs()  # vLLM may set up its handlers while it starts
             torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op, process-wide
             torch.set_num_threads(self.threads)
             if omp is None:
