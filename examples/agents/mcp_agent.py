@@ -25,7 +25,7 @@ SERVER = StdioServerParameters(command=sys.executable, args=[str(HERE / "mcp_cal
 
 def openai_tools(listed) -> list[dict]:
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.inputSchema}} for t in listed.tools]
+                                              "parameters": t.input_schema}} for t in listed.tools]
 
 
 async def run(client, row: dict) -> float:

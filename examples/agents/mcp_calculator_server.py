@@ -3,12 +3,12 @@
 import sys
 from pathlib import Path
 
-from mcp.server.fastmcp import FastMCP
+from mcp.server.mcpserver import MCPServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from openai_tool_loop import calculator as _calculate  # noqa: E402
 
-server = FastMCP("calculator")
+server = MCPServer("calculator")
 
 
 @server.tool()
