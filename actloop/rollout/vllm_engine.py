@@ -48,6 +48,7 @@ bodies and response parsing) are plain functions, tested without a GPU.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -58,11 +59,10 @@ import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from actloop.rollout.engine import Completion, EngineBase, SamplingParams
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams, _Call
 
 # --- pure translation ------------------------------------------------------------------------
 
@@ -349,7 +349,8 @@ class VLLMEngine(EngineBase):
                 try:
                     outs = engine.step()
                 except Exception as e:  # every running request hears of it; the thread goes on
-                    engine.abort_request(list(running))
+                    with contextlib.suppress(Exception):
+                        engine.abort_request(list(running))
                     self._fail(running, [], e)
                     continue
                 for out in outs:
@@ -453,8 +454,8 @@ class VLLMEngine(EngineBase):
         """Free memory for the update. On a GPU vLLM's sleep mode: level 2 (weights too, they are
         re-sent by sync_weights) for full fine-tuning, level 1 (weights offloaded to CPU) with LoRA.
         On a CPU, where vLLM has no sleep mode, the KV cache's storage is released (0.5 GiB by
-        default; its blocks hold nothing the next weights can use) and re-allocated before the next
-        request or weight load."""
+        default; its blocks hold nothing the next weights can use) and re-allocated by the next
+        request, so that it is never resident during the update or the weight load."""
         if self.sleep_enabled and not self._asleep:
             self.run(self._sleep)
 
@@ -511,16 +512,9 @@ class VLLMEngine(EngineBase):
         # in-process, collective_rpc calls the function on the worker object itself (no pickling)
         self.llm.collective_rpc(load_into_worker, args=(weights,))
         self._weights_lost = False
-        self._wake(tags=["kv_cache"])
+        if not self._cpu:  # a CPU's released KV cache comes back with the next request, not inside the update
+            self._wake(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-
-
-@dataclass
-class _Call:
-    fn: Any
-    args: tuple
-    kwargs: dict
-    future: Future
 
 
 def release_kv_cache(worker: Any) -> list[tuple[Any, int]]:

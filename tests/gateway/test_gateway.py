@@ -152,7 +152,7 @@ def test_serve_answers_a_real_client_with_the_embedded_model():
         again = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=8,
                                                messages=[{"role": "user", "content": "Say hello."}])
         assert again.choices[0].message.content == r.choices[0].message.content  # greedy: the same reply
-        assert gw.engine.stats["reused_tokens"] > 0  # the second prompt came from the prefix cache
+        assert gw.engine.inner.stats["reused_tokens"] > 0  # the second prompt came from the prefix cache
     finally:
         gw.stop()
         gw.engine.close()

@@ -122,6 +122,18 @@ def test_run_executes_on_the_engine_thread_with_its_threads_and_leaves_torch_int
     torch.set_num_threads(1)
 
 
+def test_a_request_vllm_refuses_fails_alone_and_the_engine_keeps_serving(engine, renderer):
+    """A prompt longer than max_model_len (1024 here): its Future raises vLLM's error; the episode
+    runner records it as that episode's failure, and the next requests are served."""
+    prompt = _prompt(renderer)
+    too_long = engine.submit(prompt * 60, SamplingParams(max_new_tokens=4))
+    fine = engine.submit(prompt, SamplingParams(max_new_tokens=4))
+    with pytest.raises(Exception, match="(?i)length|long|exceed"):
+        too_long.result(timeout=60)
+    assert len(fine.result(timeout=60).token_ids) > 0
+    assert len(_greedy(engine, [prompt], n=4)[0]) > 0
+
+
 def test_lora_adapters_are_sampled_through_lora_requests(engine, model_dir, renderer, tmp_path):
     """A second engine in the process (after the first is closed), with LoRA: a new adapter version
     after each sync; a zero-initialised adapter samples as the base model, a trained one does not."""
