@@ -401,3 +401,23 @@ def test_factory_refuses_what_cannot_run(tmp_path):
                 make_engine(load_config(None, ["rollout.engine=vllm-server"]), models, renderer)
     with pytest.raises(ConfigError, match="lora.enabled"):
         make_engine(load_config(None, ["rollout.engine=vllm-server", "rollout.vllm_server_sync=lora"]), models, renderer)
+
+
+def test_auto_resolves_to_vllm_where_installed_else_hf_and_says_why(monkeypatch):
+    from actloop.rollout import factory
+
+    monkeypatch.delenv("ACTLOOP_AUTO_ENGINE", raising=False)
+    monkeypatch.setattr(factory, "vllm_available", lambda: "")
+    assert factory.resolve_engine(load_config(None, [])) == ("vllm", "rollout.engine=auto: vLLM is installed")
+    kind, why = factory.resolve_engine(load_config(None, ["train.routing_replay=true"]))
+    assert kind == "hf" and "routing_replay" in why
+    assert factory.resolve_engine(load_config(None, ["rollout.engine=hf"])) == ("hf", "rollout.engine=hf")
+    monkeypatch.setattr(factory, "vllm_available", lambda: "vLLM is not installed (...)")
+    assert factory.resolve_engine(load_config(None, [])) == ("hf", "rollout.engine=auto: vLLM is not installed (...)")
+    assert factory.resolve_engine(load_config(None, ["rollout.engine=vllm"]))[0] == "vllm"  # named: no fallback
+    monkeypatch.setattr(factory, "vllm_available", lambda: "")
+    monkeypatch.setenv("ACTLOOP_AUTO_ENGINE", "hf")
+    assert factory.resolve_engine(load_config(None, []))[0] == "hf"
+    monkeypatch.setenv("ACTLOOP_AUTO_ENGINE", "tgi")
+    with pytest.raises(ConfigError, match="ACTLOOP_AUTO_ENGINE=tgi"):
+        factory.resolve_engine(load_config(None, []))
