@@ -102,6 +102,9 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
     B = len(seqs)
     set_checkpointing(backbone, checkpointing)
     recompute = checkpointing and torch.is_grad_enabled()  # the backward re-runs each layer
+    # transformers (5.19, vLLM's pin) also drops the cache of a no-grad pass through a model in training mode
+    # with gradient checkpointing on: the prefix then goes through the replayable caches as well
+    keep = recompute or (getattr(backbone, "gradient_checkpointing", False) and backbone.training)
     share_prefix = share_prefix and routing is None and not (recompute and uses_layer_masks(backbone))
     state = require_routing(backbone) if routing is not None else routing_state(backbone)
     P_row, prefixes, owner = prefix_plan(seqs, masks) if share_prefix else ([0] * B, [], [])
@@ -145,20 +148,20 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
             masks_pre = layer_masks(backbone, pre_pos, pre_pos, pre_attn.to(device), mask_dtype(backbone))
             if masks_pre is not None:  # sliding-window layers: exact windows, every key kept
                 kw = {"attention_mask": masks_pre, cache_kwarg(backbone): uncropped_cache(backbone)}
-            if recompute:  # filled by the layers (a model may not return a cache under checkpointing)
+            if keep:  # filled by the layers (a model may not return a cache under checkpointing)
                 kw[cache_kwarg(backbone)] = replayable_cache(backbone.config.num_hidden_layers)
-            with _keep_cache(backbone, recompute):
+            with _keep_cache(backbone, keep):
                 out = backbone(input_ids=pre.to(device), use_cache=True, **kw)
-            cache = kw[cache_kwarg(backbone)] if recompute else output_cache(out)
+            cache = kw[cache_kwarg(backbone)] if keep else output_cache(out)
             if len(prefixes) == 1:
                 cache.batch_repeat_interleave(B)
             else:
                 cache.batch_select_indices(torch.tensor(owner, device=device))
-            if recompute:  # what follows reads the prefix without storing into it
+            if keep:  # what follows reads the prefix without storing into it
                 cache = replayable_cache(backbone.config.num_hidden_layers, cache)
         k_pos = torch.cat([torch.arange(Pmax, device=device).expand(B, Pmax), pos], dim=1)  # [B, Pmax + S]
         masks_all = layer_masks(backbone, pos, k_pos, attn, mask_dtype(backbone))
-        with _keep_cache(backbone, recompute and cache is not None):
+        with _keep_cache(backbone, keep and cache is not None):
             hidden = backbone(input_ids=ids, attention_mask=attn if masks_all is None else masks_all, position_ids=pos,
                               use_cache=cache is not None,
                               **{cache_kwarg(backbone): cache}).last_hidden_state  # [B, S, H]
