@@ -229,6 +229,7 @@ def load_models(name: str, *, lora: Any | None = None, need_reference: bool = Fa
         raise ModelError(f"cannot load model `{name}` from {path}: {e}") from None
     if is_mxfp4(config):
         forget_quantization(policy)
+        policy.to(torch.float32)  # fp32 masters: transformers 5.19 (vLLM's pin) leaves the dequantized experts in bf16
     tokenizer = load_tokenizer(path)
     reference = None
     use_lora = bool(lora is not None and lora.enabled)
