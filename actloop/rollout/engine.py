@@ -523,7 +523,7 @@ class HFEngine(EngineBase):
             return fn(*args, **kwargs)
         self._ensure_thread()
         fut: Future = Future()
-        self._queue.put(_Call(fn, args, kwargs, fut))
+        self._queue.put(EngineCall(fn, args, kwargs, fut))
         return fut.result()
 
     def _forward(self, ids, mask, pos, cache, kpos):
@@ -621,7 +621,7 @@ class HFEngine(EngineBase):
         torch.set_num_threads(threads)  # a new thread starts with the OpenMP default, not the caller's
         batch = _Batch()
         was_training = None
-        calls: list[_Call] = []  # run(fn) calls waiting for the batch to drain
+        calls: list[EngineCall] = []  # run(fn) calls waiting for the batch to drain
         with torch.no_grad():
             while True:
                 waiting: list[_Request] = []
@@ -633,7 +633,7 @@ class HFEngine(EngineBase):
                             for c in calls:
                                 c.future.set_exception(RuntimeError("the engine was closed"))
                             return
-                        if isinstance(item, _Call):
+                        if isinstance(item, EngineCall):
                             calls.append(item)
                         else:
                             waiting += item
@@ -780,7 +780,7 @@ class _Request:
 
 
 @dataclass
-class _Call:  # a run(fn) call waiting for the compute thread (HFEngine, VLLMEngine)
+class EngineCall:  # a run(fn) call waiting for the compute thread (HFEngine, VLLMEngine)
     fn: Any
     args: tuple
     kwargs: dict

@@ -62,7 +62,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from actloop.rollout.engine import Completion, EngineBase, SamplingParams, _Call
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams, EngineCall
 
 # --- pure translation ------------------------------------------------------------------------
 
@@ -327,7 +327,7 @@ class VLLMEngine(EngineBase):
         ready.set_result(None)
         engine = self.llm.llm_engine
         running: dict[str, tuple[Future, bool]] = {}  # request id -> (future, greedy)
-        calls: list[_Call] = []
+        calls: list[EngineCall] = []
         while True:
             try:  # block only when nothing runs
                 item = self._inbox.get(block=not running and not calls)
@@ -335,7 +335,7 @@ class VLLMEngine(EngineBase):
                     if item is None:
                         self._fail(running, calls, RuntimeError("the engine was closed"))
                         return
-                    if isinstance(item, _Call):
+                    if isinstance(item, EngineCall):
                         calls.append(item)
                     elif not calls:  # requests wait while a run(fn) waits for the batch to drain
                         self._add(engine, item, running)
@@ -429,7 +429,7 @@ class VLLMEngine(EngineBase):
         if self._closed:
             raise RuntimeError("the engine was closed")
         fut: Future = Future()
-        self._inbox.put(_Call(fn, args, kwargs, fut))
+        self._inbox.put(EngineCall(fn, args, kwargs, fut))
         return fut.result()
 
     def close(self) -> None:
