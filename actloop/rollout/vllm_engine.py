@@ -267,7 +267,7 @@ class VLLMEngine(EngineBase):
         self.generated_tokens = 0
         self._lora_request = None
         self._asleep = False
-        self._weights_lost = False  # after a level-2 sleep, until the next sync
+        self._weights_lost = False  # weights freed by sleep (GPU level 2, CPU packed weights), until the next sync
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -380,7 +380,7 @@ class VLLMEngine(EngineBase):
         rid = str(next(self._ids))
         try:
             if self._weights_lost:
-                raise RuntimeError("vLLM slept at level 2 (weights freed): call sync_weights before generating")
+                raise RuntimeError("vLLM's weights were freed for the update (sleep): call sync_weights before generating")
             self._wake()
             sp = VSamplingParams(**vllm_sampling_kwargs(params, self.eos_token_ids, self.stop_strings))
             sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
@@ -455,13 +455,16 @@ class VLLMEngine(EngineBase):
         re-sent by sync_weights) for full fine-tuning, level 1 (weights offloaded to CPU) with LoRA.
         On a CPU, where vLLM has no sleep mode, the KV cache's storage is released (0.5 GiB by
         default; its blocks hold nothing the next weights can use) and re-allocated by the next
-        request, so that it is never resident during the update or the weight load."""
+        request, so that it is never resident during the update or the weight load; with full
+        fine-tuning the packed weights go too (`release_packed_weights`; the sync re-creates them)."""
         if self.sleep_enabled and not self._asleep:
             self.run(self._sleep)
 
     def _sleep(self) -> None:
         if self._cpu:
             self._kv_released = self.llm.collective_rpc(release_kv_cache)[0]
+            if not self.lora and self.llm.collective_rpc(release_packed_weights)[0]:
+                self._weights_lost = True  # the next sync re-creates them (it re-packs every layer anyway)
             self._asleep = True
             return
         level = 1 if self.lora else 2
@@ -529,6 +532,32 @@ def release_kv_cache(worker: Any) -> list[tuple[Any, int]]:
     for storage, _ in held.values():
         storage.resize_(0)
     return list(held.values())
+
+
+def release_packed_weights(worker: Any) -> int:
+    """Run on vLLM's CPU worker before an update: drop each linear layer's packed weights (vLLM's
+    CPU build packs every unquantized weight matrix for its GEMM at load, keeps only the packed
+    copy, and the layerwise reload of the next sync packs the new weights afresh), so that the
+    update does not run beside a copy of weights about to be replaced: 270 MB for SmolLM2-135M.
+    The layers then refuse to compute until that reload. Nothing is dropped (0) where the worker
+    has no layerwise reload to re-create them (older vLLM). Returns the layers dropped."""
+    import inspect
+
+    reload = getattr(worker.model_runner, "reload_weights", None)
+    if reload is None or "weights_iterator" not in inspect.signature(reload).parameters:
+        return 0
+    dropped = 0
+    for module in worker.model_runner.model.modules():
+        weight = getattr(module, "weight", None)
+        linear = getattr(module, "cpu_linear", None)
+        if linear not in (None, _released_linear) and weight is not None and weight.numel() == 0:
+            module.cpu_linear = _released_linear  # the packed weights went with the old closure
+            dropped += 1
+    return dropped
+
+
+def _released_linear(*args: Any) -> Any:
+    raise RuntimeError("vLLM's packed weights were released for the update: sync_weights re-creates them")
 
 
 def load_into_worker(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:

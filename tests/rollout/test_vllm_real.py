@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup ins
 
 from actloop.rollout.engine import SamplingParams  # noqa: E402
 from actloop.rollout.renderer import Renderer  # noqa: E402
-from actloop.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from actloop.rollout.vllm_engine import VLLMEngine, release_packed_weights  # noqa: E402
 from actloop.types import Message  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -91,17 +91,20 @@ def test_a_weight_sync_changes_what_it_samples_and_the_same_weights_do_not(engin
     assert _greedy(engine, prompts) == before
 
 
-def test_the_kv_cache_released_for_the_update_comes_back(engine, policy, renderer):
+def test_the_memory_released_for_the_update_comes_back_with_the_sync(engine, policy, renderer):
     prompts = [_prompt(renderer)] * 2
     before = _greedy(engine, prompts)
     engine.sleep()
-    if DEVICE == "cpu":  # vLLM's CPU build: actloop releases the KV cache's storage
+    if DEVICE == "cpu":  # vLLM's CPU build: actloop releases the KV cache's storage and the packed weights
         sizes = engine.llm.collective_rpc(lambda w: [t.untyped_storage().nbytes() for t in w.model_runner.kv_caches])[0]
         assert set(sizes) == {0}
-    engine.sync_weights(policy)  # wakes it
+        assert engine.llm.collective_rpc(release_packed_weights)[0] == 0  # all gone already
+    with pytest.raises(RuntimeError, match="sync_weights"):  # full weights freed: nothing samples stale weights
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, greedy=True))
+    engine.sync_weights(policy)  # re-creates the weights; the KV cache comes back with the next request
     assert _greedy(engine, prompts) == before
-    engine.sleep()
-    assert _greedy(engine, prompts) == before  # a request wakes it too
+    engine.sync_weights(policy)
+    assert _greedy(engine, prompts) == before
 
 
 def test_a_short_request_joins_the_running_batch_and_leaves_first(engine, renderer):
