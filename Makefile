@@ -61,12 +61,7 @@ demo: setup
 
 # every test, slow ones (model loading, training, torchrun, Ray) included; -rs lists each skip's reason.
 # Two pytest-xdist workers (one torch thread each, tests/conftest.py), a test file per worker at a
-# time so that module fixtures load once: 21 min against 27 min in one process on the 2-core box
-# under the same load. `.ci/run` from a fresh clone, idle, 2026-12-02: 19 min 12 s, setup included
-# (pytest 17 min 7 s); 2026-12-04, the Zen 4 box, idle, the venv already set up: 12 min 50 s (pytest 12 min 39 s,
-# 1220 passed); that evening `.ci/run` from a fresh clone: 14 min 35 s (pytest 12 min 34 s, 1238 passed);
-# that night: 13 min 10 s (pytest 11 min 49 s, 1244 passed); late that night, from a fresh clone: 11 min 35 s
-# (pytest 10 min 3 s, 1251 passed).
+# time so that module fixtures load once (timings: docs/performance.md).
 # TEST_WORKERS=0 runs in one process; more workers need ~5 GB of RAM each.
 TEST_WORKERS ?= 2
 test: setup

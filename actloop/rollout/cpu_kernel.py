@@ -22,6 +22,11 @@ and in bf16 (270 MB) on the 2-core Zen 4 box (AVX512-BF16): oneDNN 27-31 ms at 1
 40-46 at 16; the bf16 kernel 12-13, 16-18 and 25-31 ms (a sum over the same 270 MB: 9-10 ms).
 So they take 1..`max_rows(dtype)` rows (`SmallBatchLinear`).
 
+Why the decode kernels are still here, though vLLM's CPU build samples the rollouts on x86 Linux:
+the HF engine they serve is still the engine there under `torchrun`, in Ray actors and with MoE
+routing replay (until vLLM runs those), and in the test suite; without them it decodes 2-2.9x
+slower at 8 rows, where it also beats vLLM's CPU build (docs/performance.md, 2026-12-06).
+
 Each library is compiled with the system C compiler (`$CC`, else `cc`; the flags of its `Kernel`)
 into `$ACTLOOP_CACHE/kernels/`, keyed by a hash of the source and flags, once per machine, and
 loaded with ctypes (which releases the GIL during the call). Where one cannot be built — not Linux
