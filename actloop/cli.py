@@ -30,7 +30,8 @@ from actloop.train.evaluate import evaluate
 from actloop.train.failures import RunAborted
 from actloop.train.trainer import train as run_train
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Agentic RL of open LLMs: think, act, feedback.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,  # help texts are plain: [key=value ...] stays
+                  help="Agentic RL of open LLMs: think, act, feedback.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configuration.")
 app.add_typer(config_app, name="config")
 app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; check which isolation tier works here.")

@@ -161,3 +161,15 @@ def test_online_algorithms_tiny(tmp_path, name, tiny_qwen3_dir):
         assert "value_loss" in lines[0]
     if "train.beta=0.05" in ALGO_VARIANTS[name]:
         assert any(r["kl"] > 0 for r in lines)
+
+
+def test_help_keeps_its_square_brackets():
+    # rich markup read `[key=value ...]` as a style tag and printed nothing for it
+    from typer.testing import CliRunner
+
+    from actloop.cli import app
+
+    out = CliRunner().invoke(app, ["train", "--help"])
+    assert out.exit_code == 0
+    text = " ".join(out.output.split())
+    assert "[CONFIG.yaml] [key=value ...]" in text and "resume=RUN_DIR [key=value ...]" in text
