@@ -226,7 +226,8 @@ class RayConfig:
 class TrainConfig:
     steps: int = opt(20, "Optimizer steps (one rollout batch each).")
     prompts_per_step: int = opt(4, "Distinct prompts per step.")
-    group_size: int = opt(8, "Trajectories sampled per prompt (G in GRPO).")
+    group_size: int = opt(8, "Trajectories sampled per prompt (G in GRPO); at least 2 for grpo, rloo and online DPO, "
+                                "which learn by comparing them (1 is refused there: nothing would train).")
     lr: float = opt(2e-5, "AdamW learning rate.")
     beta: float = opt(0.0, "KL-to-reference coefficient (k3 estimator); 0 skips the reference model.")
     clip_eps: float = opt(0.2, "PPO/GRPO ratio clip range.")
@@ -824,6 +825,11 @@ def validate(cfg: Config) -> None:
         _one_of("sandbox.backend", cfg.sandbox.backend, ("auto", "bwrap", "rlimit", "docker")),
         _one_of("distributed.backend", cfg.distributed.backend, ("auto", "gloo", "nccl")),
         _one_of("distributed.mixed_precision", cfg.distributed.mixed_precision, ("auto", "bf16", "none")),
+        (cfg.algo not in ALGORITHMS or not ALGORITHMS[cfg.algo].in_loop(cfg)
+         or cfg.train.group_size >= ALGORITHMS[cfg.algo].min_group,
+         f"algo={cfg.algo} learns by comparing the trajectories of one prompt with each other: "
+         f"train.group_size={cfg.train.group_size} gives it nothing to compare (every advantage 0, no pair), "
+         f"so nothing would train; use train.group_size >= {ALGORITHMS.get(cfg.algo, ALGORITHMS['grpo']).min_group}"),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
         (not cfg.train.routing_replay or cfg.rollout.engine in ("auto", "hf", "ray"),
          "train.routing_replay needs rollout.engine hf or ray (the engines that record MoE routing; auto picks hf)"),

@@ -37,6 +37,18 @@ def test_bad_overrides_fail_with_the_key(override, msg):
     assert msg in str(e.value)
 
 
+@pytest.mark.parametrize("over", [["train.group_size=1"], ["algo=rloo", "train.group_size=1"],
+                                  ["algo=dpo", "dpo.online=true", "train.group_size=1"]])
+def test_a_group_of_one_is_refused_where_the_algorithm_compares_within_the_group(over):
+    with pytest.raises(ConfigError, match=r"train.group_size=1 gives it nothing to compare .* use train.group_size >= 2"):
+        load_config(None, over)
+
+
+@pytest.mark.parametrize("over", [["algo=reinforce_pp"], ["algo=ppo"], ["algo=dpo"], ["algo=sft"]])
+def test_a_group_of_one_is_fine_where_nothing_is_compared_within_it(over):
+    assert load_config(None, [*over, "train.group_size=1"]).train.group_size == 1
+
+
 def test_bad_yaml_names_the_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("train:\n  stepz: 3\n")

@@ -35,6 +35,9 @@ class Algorithm:
     online_key      a boolean config key that moves the algorithm into the rollout loop (its
                     `loss` then names the update the loop calls): `dpo.online`
     compare         `actloop compare` names -> the extra overrides that select each variant
+    min_group       the smallest train.group_size it learns from in the rollout loop: 2 where a
+                    trajectory is judged against the others of its prompt (a group of 1 is all
+                    zero advantages, or no pair)
     doc             one line for `config show` and errors
     """
 
@@ -49,6 +52,7 @@ class Algorithm:
     trainer: str = "online"
     online_key: str | None = None
     compare: dict[str, tuple[str, ...]] | None = None
+    min_group: int = 1
 
     def estimator_key(self, turn_credit: bool = False) -> str | None:
         return self.turn_advantage if turn_credit and self.turn_advantage else self.advantage
@@ -87,9 +91,9 @@ class Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("grpo", "policy", "group-relative advantages (GRPO; Dr. GRPO with train.adv_scale=none)",
                       turn_advantage="turn_grpo",
-                      params={"scale": "train.adv_scale", "gamma": "train.turn_gamma"}, torchrun=True,
+                      params={"scale": "train.adv_scale", "gamma": "train.turn_gamma"}, torchrun=True, min_group=2,
                       compare={"grpo": (), "dr_grpo": ("train.adv_scale=none", "train.loss_agg=constant")}),
-    "rloo": Algorithm("rloo", "policy", "leave-one-out baseline (RLOO)", torchrun=True),
+    "rloo": Algorithm("rloo", "policy", "leave-one-out baseline (RLOO)", torchrun=True, min_group=2),
     "reinforce_pp": Algorithm("reinforce_pp", "policy", "batch-normalised outcome advantages (REINFORCE++)"),
     "reinforce_pp_token": Algorithm(
         "reinforce_pp_token", "policy",
@@ -98,7 +102,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm("gae", "policy", "GAE with a critic (PPO)", section="ppo",
                      params={"gamma": "ppo.gamma", "lam": "ppo.lam"}, whiten=True),
     "dpo": Algorithm(None, "preference", "preference pairs (DPO/IPO), offline or online", section="dpo",
-                     trainer="actloop.train.dpo:train_dpo", online_key="dpo.online",
+                     trainer="actloop.train.dpo:train_dpo", online_key="dpo.online", min_group=2,
                      compare={"dpo": ("dpo.online=true",), "dpo_offline": ("dpo.online=false",)}),
     "sft": Algorithm(None, "supervised", "supervised fine-tuning on assistant tokens", section="sft",
                      trainer="actloop.train.sft:train_sft"),

@@ -68,7 +68,7 @@ def test_agents_that_raise_hang_or_return_garbage_are_recorded_and_masked(tmp_pa
     modes = ["raise", "hang", "garbage", "ok", "dict", "ok"]  # one pass: each row once
     rows.write_text("".join(json.dumps({"id": f"r{i}", "question": "Say hi.", "mode": m}) + "\n"
                             for i, m in enumerate(modes)))
-    args = tiny(tmp_path, f"{agent}:run", rows, "train.prompts_per_step=6", "train.group_size=1", "train.steps=1",
+    args = tiny(tmp_path, f"{agent}:run", rows, "train.prompts_per_step=6", "train.group_size=1", "algo=reinforce_pp", "train.steps=1",
                 "data.eval_size=0", "agent.timeout_s=5", "failures.max_bad_steps=0")
     res, metrics = train(args)
     failures = [json.loads(x) for x in (res.run_dir / "failures.jsonl").read_text().splitlines()]
