@@ -226,6 +226,8 @@ def _eval_table(res: dict) -> Table:
     table.caption = (f"{res['tool_calls_per_episode']:.2f} tool calls per episode, malformed {res['malformed_rate']:.1%}, "
                      f"truncated {res['truncated_rate']:.1%}, masked {res['masked']}, {res['seconds']:.0f}s "
                      f"(rollout {res['rollout_seconds']:.0f}s, grading {res['grading_seconds']:.0f}s)")
+    if res["masked"]:
+        table.caption += f"\nmasked (not graded), the first: {res.get('masked_reason') or '?'}"
     return table
 
 

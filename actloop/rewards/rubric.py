@@ -13,14 +13,33 @@ log it, or mask the trajectory. `validate()` checks that gold answers score full
 from __future__ import annotations
 
 import random
+import sys
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from actloop.rewards.base import RewardFunc, completion_text
 from actloop.rewards.flags import Detector, Flag, Policy, apply_policies, as_flag, call_graded
 from actloop.types import Message, Scored, Trajectory, Turn
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # actloop/: frames of ours, not the user's
+
+
+def raised_here(name: str) -> tuple[str, str]:
+    """In an `except` block around reward `name`: (one line for the user: the exception and the
+    innermost frame outside actloop, i.e. their own file and line; the traceback from the first
+    frame outside actloop on, for Rubric.errors and failures.jsonl)."""
+    etype, exc, tb = sys.exc_info()
+    frames = traceback.extract_tb(tb)
+    theirs = [i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE)]
+    where = f" ({frames[theirs[-1]].filename}:{frames[theirs[-1]].lineno})" if theirs else ""
+    line = f"reward `{name}` raised {etype.__name__ if etype else 'an error'}: {exc}{where}"
+    start = theirs[0] if theirs else max(0, len(frames) - 4)
+    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames[start:]))
+    return line, text + "".join(traceback.format_exception_only(etype, exc))
 
 
 @dataclass(frozen=True)
@@ -49,7 +68,7 @@ class Rubric:
         term_flags: list[list[Flag]] = [[] for _ in trajectories]
         infos: list[dict[str, Any]] = [{} for _ in trajectories]
         extra: list[dict[str, float]] = [{} for _ in trajectories]  # a Grade's own sub-scores (logged)
-        failed = False
+        failed = ""  # the first raising term's line
         for term in self.terms:
             try:
                 values[term.name], grades = call_graded(term.func, trajectories, self.completion)
@@ -59,8 +78,9 @@ class Rubric:
                         infos[i][term.name] = dict(g.info)
                         extra[i].update(g.components)
             except Exception:
-                self.errors.append(f"{term.name}: {traceback.format_exc(limit=4)}")
-                failed = True
+                line, text = raised_here(term.name)
+                self.errors.append(f"{line}\n{text}")
+                failed = failed or line
                 values[term.name] = [None] * len(trajectories)
         out = []
         for i, traj in enumerate(trajectories):
@@ -68,7 +88,7 @@ class Rubric:
             components.update({k: x for k, x in extra[i].items() if k not in values})
             total = sum(t.weight * components[t.name] for t in self.terms if t.name in components)
             flags: list[Flag] = [Flag("rollout_error", traj.error or "")] if traj.error else []
-            flags += [Flag("reward_error", "a reward function raised; see Rubric.errors")] if failed else []
+            flags += [Flag("reward_error", failed)] if failed else []
             flags += term_flags[i] + self._detect(traj)
             applied = apply_policies(total, flags, self.policies, self.default_policy)
             self.flag_counts.update(str(f) for f in applied.flags)
@@ -82,7 +102,7 @@ class Rubric:
                     components=components,
                     flags=applied.flags,
                     success=success,
-                    masked=failed or traj.error is not None or applied.masked,
+                    masked=bool(failed) or traj.error is not None or applied.masked,
                 )
             )
         if details is not None:

@@ -20,7 +20,7 @@ from actloop.models import Models, load_models
 from actloop.monitor.metrics import JsonlSink, mean
 from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
-from actloop.train.evaluate import evaluate
+from actloop.train.evaluate import eval_line, evaluate
 from actloop.train.optim import adamw, drop_state
 from actloop.train.trainer import RunResult, make_run_dir, setup_process, write_problems
 
@@ -96,7 +96,7 @@ class Run:
                        self.cfg.rollout.max_turns, max_context=self.cfg.rollout.max_context,
                        max_batch=self.cfg.rollout.max_batch, keep_problems=True)
         self.summary[label] = write_problems(self.run_dir, label, res)
-        self.print(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
+        self.print(eval_line(label, res))
 
     def log(self, record: dict[str, Any], seconds: float) -> None:
         self.sink.log(record)

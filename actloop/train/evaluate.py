@@ -102,6 +102,7 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
         "truncated_rate": mean(t.truncated for t in trajs),
         "truncated_context": sum(t.truncated_context for t in trajs),
         "masked": sum(s.masked for s in scored),
+        "masked_reason": _first_reason(scored),
         "n": len(rows),
         "samples_per_problem": k_samples,
         "temperature": temperature,
@@ -129,6 +130,28 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
                        "transcript": s.trajectory.transcript, "reward": s.reward, "flags": [str(f) for f in s.flags]}
                       for j, s in enumerate(scored[:keep_samples * k_samples:k_samples])]
     return out
+
+
+def _first_reason(scored: list[Scored]) -> str | None:
+    """Why the first masked trajectory was masked: its rollout error's last line, or the evidence
+    of its first flag that says (a raising reward names the user's file and line)."""
+    for s in scored:
+        if s.masked:
+            if s.trajectory.error:
+                return s.trajectory.error.strip().splitlines()[-1]
+            return next((f.evidence for f in s.flags if getattr(f, "evidence", "")), "masked by a flag policy")
+    return None
+
+
+def eval_line(label: str, res: dict[str, Any]) -> str:
+    """The line a run prints for an evaluation: greedy success, and when trajectories were masked
+    (not graded: a raising reward, a failed rollout) how many and the first one's reason, so that a
+    0% that graded nothing does not read as a 0% that graded everything."""
+    line = f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)"
+    total = res["n"] * res.get("samples_per_problem", 1)
+    if res.get("masked"):
+        line += f"; {res['masked']} of {total} masked, not graded: {res.get('masked_reason') or '?'}"
+    return line
 
 
 def component_means(scored: list[Scored]) -> dict[str, float]:

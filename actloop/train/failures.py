@@ -100,8 +100,7 @@ def classify(step: int, scored: list[Scored], reward_errors: list[str] = ()) -> 
             if kind is None or kind in kinds or (str(f) == "rollout_error" and traj.error):
                 continue  # (the trajectory's own error is counted above, as env or engine)
             evidence = getattr(f, "evidence", "") or str(f)
-            kinds[kind] = (evidence if kind != "reward" or not reward_tb else _last_line(reward_tb),
-                           reward_tb if kind == "reward" else None)
+            kinds[kind] = (evidence, reward_tb if kind == "reward" else None)
         for kind, (msg, tb) in kinds.items():
             out.append(Failure(step, kind, msg, tb, i, rid, s.masked))
         if not kinds and (why := no_answer(traj, s.flags)):
@@ -123,6 +122,12 @@ def failure_metrics(failures: list[Failure], n: int, cfg: FailuresConfig) -> dic
     return rec
 
 
+def count_kinds(counts: Counter | dict[str, int]) -> str:
+    """`4 reward failures, 1 env failure`: counts by kind, most first (not `reward 4`, which reads
+    like a reward value)."""
+    return ", ".join(f"{v} {k} failure{'s' if v > 1 else ''}" for k, v in Counter(counts).most_common())
+
+
 def masked_line(step: int, failures: list[Failure], n: int, log_path: Path) -> str | None:
     """The one line a step prints when any of its trajectories was masked: how many, of which
     kinds, the first error message, and where the tracebacks are; None when none was masked."""
@@ -130,7 +135,7 @@ def masked_line(step: int, failures: list[Failure], n: int, log_path: Path) -> s
     if not masked:
         return None
     counts = Counter(f.kind for f in masked)
-    kinds = ", ".join(f"{k} {v}" for k, v in counts.most_common())
+    kinds = count_kinds(counts)
     n_masked = len({f.index for f in masked})
     return (f"step {step}: {n_masked} of {n} trajectories masked from the loss ({kinds}); first: "
             f"{masked[0].message[:200]} -- tracebacks in {log_path}")
@@ -172,7 +177,7 @@ class FailureGuard:
         if not self.cfg.max_bad_steps or self.bad_steps < self.cfg.max_bad_steps:
             return None
         counts = Counter(f.kind for f in failures if f.kind in self.cfg.count)
-        kinds = ", ".join(f"{k} {v}" for k, v in counts.most_common())
+        kinds = count_kinds(counts)
         return (f"stopping at step {step}: {self.bad_steps} consecutive steps with more than "
                 f"{self.cfg.max_rate:.0%} of trajectories failed (last step: {rate:.0%}; {kinds}). "
                 f"Tracebacks are in {run_dir / 'failures.jsonl'}. Raise failures.max_rate or "

@@ -34,8 +34,9 @@ from actloop.rollout.renderer import Renderer
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
-from actloop.train.evaluate import component_means, evaluate, run_batched
-from actloop.train.failures import FailureGuard, FailureLog, RunAborted, classify, failure_metrics, masked_line
+from actloop.train.evaluate import component_means, eval_line, evaluate, run_batched
+from actloop.train.failures import (FailureGuard, FailureLog, RunAborted, classify, count_kinds, failure_metrics,
+                                    masked_line)
 from actloop.train.interrupt import GracefulStop
 from actloop.train.memory import PhasePeaks, frozen_gc, mmap_threshold, set_mmap_threshold
 from actloop.train.mixed_precision import uses_bf16_weights
@@ -392,7 +393,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
                            schedule=cfg.rollout.schedule, max_batch=cfg.rollout.max_batch, keep_problems=rows is None)
         if rows is None:
             summary[label] = write_problems(run_dir, label, res)
-        print_fn(f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)")
+        print_fn(eval_line(label, res))
         return res
 
     if ckpt is None and cfg.train.eval_before and task.eval_rows:
@@ -504,7 +505,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     trained_somewhere = dist.first(True if totals.get("unmasked_steps", 1) else None)  # any rank, any step
     if (not stop_msg and not requested and last >= start and not trained_somewhere
             and cfg.failures.nothing_trained == "error"):
-        kinds = ", ".join(f"{k} {v}" for k, v in sorted(totals["failures"].items()))
+        kinds = count_kinds(totals["failures"])
         stop_msg = (f"no step trained anything: every trajectory of steps 1-{last} was masked ({kinds}). "
                     f"Tracebacks are in {run_dir / 'failures.jsonl'}; failures.nothing_trained=ignore finishes anyway.")
     if stop_msg or requested:

@@ -141,11 +141,26 @@ def test_reward_function_that_raises_masks_the_batch_with_its_traceback():
     scored = rubric.score([text_trajectory("a"), text_trajectory("b")])
     failures = classify(2, scored, rubric.errors)
     assert [(f.kind, f.masked) for f in failures] == [("reward", True)] * 2
-    assert "ZeroDivisionError" in failures[0].message and "Traceback" in failures[0].traceback
+    # the user's own file and line, not actloop's shim: in the message and as the traceback's first frame
+    raising_line = broken.__code__.co_firstlineno + 1
+    assert failures[0].message == (f"reward `broken` raised ZeroDivisionError: division by zero in the grader "
+                                   f"({__file__}:{raising_line})")
+    tb = failures[0].traceback
+    assert "Traceback (most recent call last)" in tb and f'File "{__file__}", line {raising_line}, in broken' in tb
+    assert "actloop/rewards" not in tb
     # the one line the step prints: how many, which kind, the first message, where the tracebacks are
     line = masked_line(2, failures, 3, Path("runs/x/failures.jsonl"))
-    assert line.startswith("step 2: 2 of 3 trajectories masked from the loss (reward 2); first: ZeroDivisionError")
+    assert line.startswith("step 2: 2 of 3 trajectories masked from the loss (2 reward failures); "
+                           "first: reward `broken` raised ZeroDivisionError")
     assert "division by zero in the grader" in line and line.endswith("tracebacks in runs/x/failures.jsonl")
+    # an evaluation of that batch says it graded nothing instead of printing a bare 0%
+    from actloop.train.evaluate import _first_reason, eval_line
+
+    res = {"success": 0.0, "n": 2, "seconds": 1.0, "masked": 2, "masked_reason": _first_reason(scored)}
+    assert eval_line("eval_before", res) == (
+        "eval_before: greedy success 0.0% on 2 held-out problems (1s); 2 of 2 masked, not graded: "
+        f"reward `broken` raised ZeroDivisionError: division by zero in the grader ({__file__}:{raising_line})")
+    assert eval_line("eval_before", {**res, "masked": 0}).endswith("held-out problems (1s)")
 
 
 class FailingSandbox:
@@ -266,7 +281,7 @@ def test_guard_stops_after_consecutive_bad_steps(tmp_path):
     assert guard.check(2, parse, 4, tmp_path) is None  # parse does not count by default: the streak resets
     assert guard.check(3, bad, 4, tmp_path) is None
     msg = guard.check(4, bad, 4, tmp_path)
-    assert "2 consecutive steps" in msg and "sandbox 3" in msg and str(tmp_path / "failures.jsonl") in msg
+    assert "2 consecutive steps" in msg and "3 sandbox failures" in msg and str(tmp_path / "failures.jsonl") in msg
     assert FailureGuard(FailuresConfig(max_bad_steps=0)).check(1, bad, 4, tmp_path) is None  # never stops
 
 
@@ -305,11 +320,12 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
                                     "train.beta=0.1", "kl.controller=adaptive", "kl.horizon=10",
                                     f"reward.funcs=[{tmp_path / 'rewards.py'}:broken]"])
     said = []
-    with pytest.raises(RunAborted, match="stopping at step 2: 2 consecutive steps .* reward 4"):
+    with pytest.raises(RunAborted, match="stopping at step 2: 2 consecutive steps .* 4 reward failures"):
         train(cfg, progress=False, print_fn=said.append)
     masked = [s for s in said if "masked from the loss" in s]
     assert [s.split(":")[0] for s in masked] == ["step 1", "step 2"], said  # one line per step, saying why
-    assert "(reward 4); first: ValueError: grader crashed" in masked[0]
+    assert "(4 reward failures); first: reward `broken` raised ValueError: grader crashed" in masked[0]
+    assert f"({tmp_path / 'rewards.py'}:" in masked[0]  # the user's own file and line
     run_dir = tmp_path / "broken"
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
@@ -325,7 +341,7 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
 
     # fewer steps than failures.max_bad_steps, every one masked: the run must not end as a success
     cfg = load_config(None, base + ["train.steps=1", "run_name=nothing", f"reward.funcs=[{tmp_path / 'rewards.py'}:broken]"])
-    with pytest.raises(RunAborted, match=r"no step trained anything: every trajectory of steps 1-1 was masked \(reward 4"):
+    with pytest.raises(RunAborted, match=r"no step trained anything: every trajectory of steps 1-1 was masked \(4 reward failures"):
         train(cfg, **quiet)
     assert json.loads((tmp_path / "nothing" / "summary.json").read_text())["stopped"]["step"] == 1
     train(load_config(None, base + ["train.steps=1", "run_name=ignored", "failures.nothing_trained=ignore",
