@@ -452,7 +452,7 @@ class CheckpointConfig:
     )
 
 
-FAILURE_KINDS = ("env", "engine", "sandbox", "judge", "reward", "truncated", "parse")
+FAILURE_KINDS = ("env", "engine", "sandbox", "judge", "reward", "truncated", "parse", "tool")
 
 
 @dataclass
@@ -466,8 +466,8 @@ class FailuresConfig:
     count: list[str] = opt(
         ["env", "engine", "sandbox", "judge", "reward"],
         "Failure kinds that count towards failures.max_rate: env, engine, sandbox, judge, reward (masked), truncated "
-        "(cut off at rollout.max_new_tokens) and parse (no answer otherwise); the last two are scored 0 and "
-        "trained on. See docs/runs.md.",
+        "(cut off at rollout.max_new_tokens) and parse (no answer otherwise), both scored 0 and trained on, and "
+        "tool (a tool raised; the model was shown the error). See docs/runs.md.",
     )
     nothing_trained: str = opt(
         "error",

@@ -1,4 +1,5 @@
-"""Core data types shared by every package: messages, tool calls, turns, trajectories, groups.
+"""Core data types shared by every package: messages, tool calls, turns, trajectories, groups;
+and `user_error`, how an exception raised in a user's code (a reward, a tool) is reported.
 
 All are frozen dataclasses (or plain lists of them) so that a trajectory recorded during a
 rollout cannot be mutated behind the trainer's back. Token-level fields are plain Python lists;
@@ -7,10 +8,46 @@ the trainer turns them into tensors.
 
 from __future__ import annotations
 
+import sys
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
+_PACKAGE = str(Path(__file__).resolve().parent)  # actloop/: frames of ours, not the user's
+
+
+def user_error(what: str) -> tuple[str, str]:
+    """In an `except` block around a user's function (`what`: "reward `f`", "tool `calc`"): one
+    line for the user, the exception and the innermost frame outside actloop (their own file and
+    line), and the traceback from the first frame outside actloop on (Rubric.errors,
+    failures.jsonl), so that it does not stop inside actloop's wrappers."""
+    etype, exc, tb = sys.exc_info()
+    frames = traceback.extract_tb(tb)
+    theirs = [i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE)]
+    where = f" ({frames[theirs[-1]].filename}:{frames[theirs[-1]].lineno})" if theirs else ""
+    line = f"{what} raised {etype.__name__ if etype else 'an error'}: {exc}{where}"
+    start = theirs[0] if theirs else max(0, len(frames) - 4)
+    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames[start:]))
+    return line, text + "".join(traceback.format_exception_only(etype, exc))
+
 Role = Literal["system", "user", "assistant", "tool"]
+
+
+_PLACEHOLDER = {"string": "...", "number": 0, "integer": 0, "boolean": False, "array": [], "object": {}}
+
+
+def example_arguments(parameters: dict[str, Any], keys: list[str] | None = None) -> dict[str, Any]:
+    """Placeholder arguments for a tool's JSON-schema `parameters` (what a prompt or an error
+    message shows as an example call): `"..."` for a string, 0 for a number, false, [], {}; `keys`
+    (default: every property) picks which."""
+    props = parameters.get("properties") or {}
+    out = {}
+    for k in (keys if keys is not None else list(props)):
+        kind = (props.get(k) or {}).get("type")
+        kind = next((t for t in kind if t != "null"), None) if isinstance(kind, list) else kind
+        out[k] = _PLACEHOLDER.get(kind, "...")
+    return out
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,10 @@ renderer writes a tool prompt into the system message; `tool_prompt` words it (s
 What goes wrong is answered to the model as an ``Error: ...`` tool message and counted in
 `info["tool_errors"]`, never raised: an unknown tool, arguments that do not fit the signature or
 the schema's JSON types, a tool that raises (`ToolError("text")` shows just the text; any other
-exception its type and text; `report_exceptions` narrows which). A reply without a tool call ends the episode (override `finish` to
+exception its type and text; `report_exceptions` narrows which). A tool that raised anything but
+a `ToolError` is also reported to you: `info["tool_raised"]` (a line each, with your file and line)
+and `info["tool_traceback"]` (the first one's) become `tool` failures in `failures.jsonl`, and a
+step in which a tool raised in at least half of the episodes prints a line saying so. A reply without a tool call ends the episode (override `finish` to
 do more). `max_tool_calls` limits calls per episode: the call past it is refused and the episode
 ends. `close()` is called whenever an episode ends, however it ends.
 """
@@ -46,7 +49,7 @@ from typing import Any, Callable, ClassVar, Sequence
 from transformers.utils import get_json_schema
 
 from actloop.envs.base import StepResult
-from actloop.types import Message, ToolCall
+from actloop.types import Message, ToolCall, example_arguments, user_error
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
@@ -132,6 +135,8 @@ class ToolEnv:
     def reset(self, row: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
         self.row = row
         self.tool_calls_run = self.tool_errors = 0
+        self.tool_raised: list[str] = []  # a line per exception a tool raised (ToolError aside), first 5
+        self.tool_traceback: str | None = None  # the first one's
         return self.prompt(row), self.tool_schemas()
 
     def step(self, message: Message) -> StepResult:
@@ -154,7 +159,10 @@ class ToolEnv:
 
     def info(self) -> dict[str, Any]:
         """Merged into the trajectory's `info` after every step."""
-        return {"tools_run": self.tool_calls_run, "tool_errors": self.tool_errors}
+        out: dict[str, Any] = {"tools_run": self.tool_calls_run, "tool_errors": self.tool_errors}
+        if getattr(self, "tool_raised", None):
+            out.update(tool_raised=list(self.tool_raised), tool_traceback=self.tool_traceback)
+        return out
 
     def close(self) -> None:
         """Release what the episode holds (override for sessions, containers, files)."""
@@ -186,8 +194,7 @@ class ToolEnv:
         problem = self._argument_problem(fn, call.arguments)
         if problem:
             self.tool_errors += 1
-            props = self._schema(fn)["function"]["parameters"].get("properties", {})
-            example = json.dumps({k: "..." for k in props})
+            example = json.dumps(example_arguments(self._schema(fn)["function"]["parameters"]))
             return Message("tool", f"Error: the {call.name} tool needs {example} ({problem}).", name=call.name)
         try:
             result = fn(**call.arguments)
@@ -196,6 +203,11 @@ class ToolEnv:
             return Message("tool", f"Error: {e}", name=call.name)
         except self.report_exceptions as e:
             self.tool_errors += 1
+            line, tb = user_error(f"tool `{call.name}`")
+            raised = self.__dict__.setdefault("tool_raised", [])  # (a subclass's reset may not call ours)
+            if len(raised) < 5:
+                raised.append(line)
+            self.tool_traceback = getattr(self, "tool_traceback", None) or tb
             return Message("tool", f"Error: {type(e).__name__}: {e}", name=call.name)
         return Message("tool", _as_text(result), name=call.name)
 

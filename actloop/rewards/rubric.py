@@ -13,33 +13,13 @@ log it, or mask the trajectory. `validate()` checks that gold answers score full
 from __future__ import annotations
 
 import random
-import sys
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from actloop.rewards.base import RewardFunc, completion_text
 from actloop.rewards.flags import Detector, Flag, Policy, apply_policies, as_flag, call_graded
-from actloop.types import Message, Scored, Trajectory, Turn
-
-
-_PACKAGE = str(Path(__file__).resolve().parents[1])  # actloop/: frames of ours, not the user's
-
-
-def raised_here(name: str) -> tuple[str, str]:
-    """In an `except` block around reward `name`: (one line for the user: the exception and the
-    innermost frame outside actloop, i.e. their own file and line; the traceback from the first
-    frame outside actloop on, for Rubric.errors and failures.jsonl)."""
-    etype, exc, tb = sys.exc_info()
-    frames = traceback.extract_tb(tb)
-    theirs = [i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE)]
-    where = f" ({frames[theirs[-1]].filename}:{frames[theirs[-1]].lineno})" if theirs else ""
-    line = f"reward `{name}` raised {etype.__name__ if etype else 'an error'}: {exc}{where}"
-    start = theirs[0] if theirs else max(0, len(frames) - 4)
-    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames[start:]))
-    return line, text + "".join(traceback.format_exception_only(etype, exc))
+from actloop.types import Message, Scored, Trajectory, Turn, user_error
 
 
 @dataclass(frozen=True)
@@ -78,7 +58,7 @@ class Rubric:
                         infos[i][term.name] = dict(g.info)
                         extra[i].update(g.components)
             except Exception:
-                line, text = raised_here(term.name)
+                line, text = user_error(f"reward `{term.name}`")
                 self.errors.append(f"{line}\n{text}")
                 failed = failed or line
                 values[term.name] = [None] * len(trajectories)
@@ -118,9 +98,10 @@ class Rubric:
             name = getattr(det, "__name__", repr(det))
             try:
                 found += [as_flag(f, name) for f in det(text, traj.row)]
-            except Exception as e:  # a broken detector must not pass a hack silently
-                self.errors.append(f"detector {name}: {traceback.format_exc(limit=4)}")
-                found.append(Flag("detector_error", f"{type(e).__name__}: {e}", name))
+            except Exception:  # a broken detector must not pass a hack silently
+                line, tb = user_error(f"detector `{name}`")
+                self.errors.append(f"{line}\n{tb}")
+                found.append(Flag("detector_error", line, name))
         return found
 
     def validate(

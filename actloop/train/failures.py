@@ -106,6 +106,9 @@ def classify(step: int, scored: list[Scored], reward_errors: list[str] = ()) -> 
         if not kinds and (why := no_answer(traj, s.flags)):
             kind = "truncated" if traj.turns and traj.turns[-1].finish_reason == "length" else "parse"
             out.append(Failure(step, kind, why, None, i, rid, s.masked))
+        if traj.info.get("tool_raised"):  # answered to the model as an error; reported to the user here
+            out.append(Failure(step, "tool", traj.info["tool_raised"][0], traj.info.get("tool_traceback"), i, rid,
+                               s.masked))
     return out
 
 
@@ -139,6 +142,18 @@ def masked_line(step: int, failures: list[Failure], n: int, log_path: Path) -> s
     n_masked = len({f.index for f in masked})
     return (f"step {step}: {n_masked} of {n} trajectories masked from the loss ({kinds}); first: "
             f"{masked[0].message[:200]} -- tracebacks in {log_path}")
+
+
+def tool_line(step: int, failures: list[Failure], n: int, log_path: Path) -> str | None:
+    """The line a step prints when a tool raised in at least half of its episodes (a tool that
+    raises on a bad call now and then is the model's business; one that raises on most is likely
+    broken); None otherwise. The model saw each as an `Error: ...` tool message."""
+    tool = [f for f in failures if f.kind == "tool"]
+    episodes = len({f.index for f in tool})
+    if not tool or episodes * 2 < n:
+        return None
+    return (f"step {step}: a tool raised in {episodes} of {n} episodes (the model was shown the error); first: "
+            f"{tool[0].message[:200]} -- tracebacks in {log_path}")
 
 
 class FailureLog:

@@ -36,7 +36,7 @@ from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import component_means, eval_line, evaluate, run_batched
 from actloop.train.failures import (FailureGuard, FailureLog, RunAborted, classify, count_kinds, failure_metrics,
-                                    masked_line)
+                                    masked_line, tool_line)
 from actloop.train.interrupt import GracefulStop
 from actloop.train.memory import PhasePeaks, frozen_gc, mmap_threshold, set_mmap_threshold
 from actloop.train.mixed_precision import uses_bf16_weights
@@ -469,8 +469,10 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             failure_log.write(failures)
             for f in failures:
                 totals["failures"][f.kind] = totals["failures"].get(f.kind, 0) + 1
-            if (line := masked_line(step, failures, len(seen), failure_log.path)) is not None:
-                print_fn(line)
+            for line in (masked_line(step, failures, len(seen), failure_log.path),
+                         tool_line(step, failures, len(seen), failure_log.path)):
+                if line is not None:
+                    print_fn(line)
             if any(not s.masked for s in scored):  # a step that had something to train on (ties included)
                 totals["unmasked_steps"] = totals.get("unmasked_steps", 1) + 1  # missing: an older checkpoint
             stop_msg = dist.first(guard.check(step, failures, len(seen), run_dir))  # every rank stops together

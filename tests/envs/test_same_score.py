@@ -47,7 +47,7 @@ def via_grade(tmp_path, name, row, text):
 @pytest.mark.parametrize("name", list(BUILTIN))
 def test_grade_eval_and_training_agree(name, tmp_path, renderer, scripted):
     skip_unless_ready(name)
-    over = [f"data.task={name}", "data.train_size=0", "data.eval_size=1", "train.group_size=2",
+    over = [f"data.task={name}", "data.train_size=0", "data.eval_size=1", "train.group_size=1", "algo=reinforce_pp",
             "train.prompts_per_step=1", "rollout.max_turns=1"]
     cfg = load_config(None, over)
     row = build_task(cfg).eval_rows[0]

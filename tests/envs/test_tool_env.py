@@ -75,7 +75,7 @@ def test_calls_run_and_errors_go_back_to_the_model():
                          call("add", a="2", b=1)))
     assert [m.content for m in res.messages[:2]] == ['{"city": "Oslo", "temp": 21}', "2.5"]
     assert res.messages[2].content == "Error: unknown tool 'shell'; the tools are add, lookup."
-    assert res.messages[3].content.startswith('Error: the add tool needs {"a": "...", "b": "..."} (`a` must be integer')
+    assert res.messages[3].content.startswith('Error: the add tool needs {"a": 0, "b": 0} (`a` must be integer')  # typed example
     assert all(m.role == "tool" for m in res.messages) and [m.name for m in res.messages][:2] == ["lookup", "add"]
     assert not res.done and res.info == {"tools_run": 4, "tool_errors": 2}
 

@@ -14,15 +14,18 @@ import pytest
 
 from actloop.config import FailuresConfig, load_config
 from actloop.envs.base import ChatEnv, StepResult
+from actloop.envs.tools import ToolEnv, tool
 from actloop.rewards.code import CodeGrader
 from actloop.rewards.judge import Judge, JudgeConfig, PassFail, judge_usage
 from actloop.rewards.rubric import RewardTerm, Rubric, text_trajectory
 from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
+from actloop.types import Message
 from actloop.sandbox import ExecResult, get_sandbox
 from actloop.sandbox import clock as sandbox_clock
-from actloop.train.failures import FailureGuard, FailureLog, classify, failure_metrics, masked_line, no_answer
+from actloop.train.failures import (FailureGuard, FailureLog, classify, failure_metrics, masked_line, no_answer,
+                                    tool_line)
 from actloop.train.trainer import _usage, usage_delta
 
 
@@ -80,7 +83,7 @@ def test_env_that_raises_is_recorded_masked_and_counted(tokenizer, renderer, tmp
     assert failures[0].message == "RuntimeError: tool server down" and "Traceback" in failures[0].traceback
     m = failure_metrics(failures, len(scored), FailuresConfig())
     assert m == {"failures/env": 2, "failures/engine": 0, "failures/sandbox": 0, "failures/judge": 0, "failures/reward": 0,
-                 "failures/truncated": 0, "failures/parse": 0, "failures/masked": 2, "failures/rate": 0.5,
+                 "failures/truncated": 0, "failures/parse": 0, "failures/tool": 0, "failures/masked": 2, "failures/rate": 0.5,
                  "failures/any": 0.5}
     log = FailureLog(tmp_path / "failures.jsonl")
     log.write(failures)
@@ -88,6 +91,41 @@ def test_env_that_raises_is_recorded_masked_and_counted(tokenizer, renderer, tmp
     lines = [json.loads(line) for line in (tmp_path / "failures.jsonl").read_text().splitlines()]
     assert [(r["step"], r["kind"], r["row_id"]) for r in lines] == [(7, "env", "r1"), (7, "env", "r3")]
     assert "tool server down" in lines[0]["traceback"]
+
+
+class BrokenToolEnv(ToolEnv):
+    """A user's tool with a bug: it raises on every call."""
+
+    def prompt(self, row):
+        return [Message("user", "What is 2 + 2?")]
+
+    @tool
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b + undefined_name  # noqa: F821
+
+
+def test_a_tool_that_raises_is_shown_to_the_model_and_reported_to_the_user(tokenizer, renderer, tmp_path):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+    engine = ScriptedEngine(answer_ids(tokenizer, renderer, call))
+    trajs = run_episodes(engine, renderer, BrokenToolEnv, rows(4), SamplingParams(32), max_turns=2)
+    assert all(t.info["tool_errors"] == 2 for t in trajs)  # each call answered with an Error message
+    scored = Rubric([RewardTerm("constant", constant)]).score(trajs)
+    failures = [f for f in classify(3, scored) if f.kind == "tool"]
+    raising_line = BrokenToolEnv.add.__code__.co_firstlineno + 8
+    assert len(failures) == 4 and not any(f.masked for f in failures)
+    assert failures[0].message == (f"tool `add` raised NameError: name 'undefined_name' is not defined "
+                                   f"({__file__}:{raising_line})")
+    assert f'File "{__file__}", line {raising_line}, in add' in failures[0].traceback
+    assert failure_metrics(failures, 4, FailuresConfig())["failures/tool"] == 4
+    line = tool_line(3, failures, 4, tmp_path / "failures.jsonl")
+    assert line.startswith("step 3: a tool raised in 4 of 4 episodes (the model was shown the error); first: tool `add`")
+    assert tool_line(3, failures[:1], 4, tmp_path / "failures.jsonl") is None  # 1 in 4: the model's business
 
 
 class BadReplyEnv(ChatEnv):

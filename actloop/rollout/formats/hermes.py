@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from actloop.rollout.formats.base import ChatFormat, ParsedCalls, Piece, function_schemas
-from actloop.types import Message, ToolCall
+from actloop.types import Message, ToolCall, example_arguments
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -95,7 +95,7 @@ def tool_system_prompt(system: str, tools: list[dict[str, Any]], template: str =
     fns = function_schemas(tools)
     lines = "\n".join(f"- {_signature(fn)}: {fn.get('description', '').strip()}".rstrip(": ") for fn in fns)
     params = fns[0].get("parameters") or {}
-    example_args = {k: "..." for k in (params.get("required") or list((params.get("properties") or {}))[:1])}
+    example_args = example_arguments(params, params.get("required") or list(params.get("properties") or {})[:1])
     call = f"{TOOL_CALL_OPEN}{json.dumps({'name': fns[0]['name'], 'arguments': example_args})}{TOOL_CALL_CLOSE}"
     text = template.replace("{tools}", lines).replace("{call}", call)
     return text.replace("{system}", system).strip()
