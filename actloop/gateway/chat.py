@@ -113,9 +113,20 @@ def check_tools(raw: Any) -> list[dict[str, Any]]:
     return raw
 
 
+def forced_call(choice: Any, tools: list[dict[str, Any]]) -> tuple[bool, str | None]:
+    """Whether `tool_choice` forces a tool call (`required`, or a named function), and the name it
+    forces (None: any of the tools). A call is forced by starting the reply with the format's
+    call opening (`ChatFormat.call_prefix`)."""
+    if choice == "required" and tools:
+        return True, None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        return True, choice["function"].get("name")
+    return False, None
+
+
 def tool_choice_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:
-    """Apply `tool_choice`: none hides the tools; a named function keeps only that one; auto and
-    required keep them all (required is not enforced in sampling)."""
+    """Apply `tool_choice` to the declared tools: none hides them; a named function keeps only
+    that one; auto and required keep them all (`forced_call` then makes the reply a call)."""
     if choice in (None, "auto", "required"):
         return tools
     if choice == "none":
@@ -159,6 +170,9 @@ class ChatFormat:
 
     def decode(self, ids) -> str:
         return self.renderer.decode(ids)
+
+    def call_prefix(self, name: str | None) -> str | None:
+        return self.renderer.format.call_prefix(name)
 
     def parse(self, ids: list[int] | tuple[int, ...]) -> Parsed:
         """Content (the text around well-formed tool calls, which go to `tool_calls` as in

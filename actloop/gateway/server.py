@@ -36,7 +36,8 @@ except ImportError:  # training without agent code does not need it; create_app 
 
 from actloop.config import ConfigError
 from actloop.gateway.capture import EpisodeCapture, Plan
-from actloop.gateway.chat import ChatFormat, Parsed, RequestError, check_tools, to_messages, tool_choice_tools
+from actloop.gateway.chat import (ChatFormat, Parsed, RequestError, check_tools, forced_call, to_messages,
+                                  tool_choice_tools)
 from actloop.rollout.engine import Completion, SamplingParams
 from actloop.types import Message
 
@@ -200,13 +201,24 @@ async def chat_completion(gw: Gateway, body: dict[str, Any], sid: str | None) ->
     model = gw.check_model(body)
     messages = to_messages(body.get("messages"))
     tools = tool_choice_tools(check_tools(body.get("tools")), body.get("tool_choice"))
+    forced, forced_name = forced_call(body.get("tool_choice"), tools)
     params = gw.params(body)
     capture = gw.capture(sid)
+    forced_ids: list[int] = []
+    if forced:  # the reply opens as a call: the format's call opening, then the model's own tokens
+        prefix = gw.fmt.call_prefix(forced_name)
+        if capture is not None or prefix is None:
+            fmt = gw.fmt.renderer.format_name
+            why = ("while training, the forced opening would enter the trajectory as tokens the policy did not sample"
+                   if capture is not None else f"the {fmt} chat format cannot force one")
+            raise RequestError(f"tool_choice {body.get('tool_choice')!r} cannot be enforced here ({why}); "
+                               "send tool_choice auto", "tool_choice")
+        forced_ids = gw.fmt.encode(prefix)
     plan: Plan | None = capture.prepare(messages, tools) if capture is not None else None
-    prompt = plan.prompt_ids if plan is not None else gw.fmt.prompt_ids(messages, tools)
+    prompt = plan.prompt_ids if plan is not None else gw.fmt.prompt_ids(messages, tools) + forced_ids
     params = gw.fit(prompt, params)
     comp = await gw.sample(prompt, params)
-    parsed = gw.fmt.parse(comp.token_ids)
+    parsed = gw.fmt.parse(forced_ids + list(comp.token_ids))
     content, cut = _cut_at_stop(parsed.content, params.stop)
     calls = _tool_calls_json(parsed) if not cut else []
     finish = "length" if comp.finish_reason == "length" else ("tool_calls" if calls else "stop")

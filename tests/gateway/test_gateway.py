@@ -137,6 +137,29 @@ def test_streaming_and_completions(scripted):
     assert r.choices[0].text.startswith(" world")
 
 
+def test_tool_choice_required_or_named_makes_the_reply_a_call(scripted):
+    gw, eng = scripted
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    ask = [{"role": "user", "content": "What is 2*3?"}]
+    # named: the reply opens with `<tool_call>{"name": "calculator", "arguments": `; the model writes the rest
+    eng.replies = ['{"expression": "2*3"}}</tool_call>']
+    r = client.chat.completions.create(model="policy", messages=ask, tools=CALC,
+                                       tool_choice={"type": "function", "function": {"name": "calculator"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "2*3"})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert eng.prompts[-1][-len(gw.fmt.encode('<tool_call>{"name": "calculator", "arguments": ')):] == \
+        gw.fmt.encode('<tool_call>{"name": "calculator", "arguments": ')
+    # required: the call opening only; a model that would have answered in prose must still call
+    eng.replies = ['{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>']
+    r = client.chat.completions.create(model="policy", messages=ask, tools=CALC, tool_choice="required")
+    assert r.choices[0].message.tool_calls[0].function.name == "calculator"
+    # auto: whatever the model says
+    eng.replies = ["Six."]
+    r = client.chat.completions.create(model="policy", messages=ask, tools=CALC, tool_choice="auto")
+    assert r.choices[0].message.content == "Six." and not r.choices[0].message.tool_calls
+
+
 @pytest.mark.slow
 def test_serve_answers_a_real_client_with_the_embedded_model():
     from actloop.gateway.serve import build

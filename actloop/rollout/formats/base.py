@@ -68,6 +68,11 @@ class ChatFormat:
         """A whole conversation as this format writes it from messages (no generation prompt)."""
         raise NotImplementedError
 
+    def call_prefix(self, name: str | None) -> str | None:
+        """The text that opens an assistant turn as a tool call (of `name`, when given), for a
+        caller that forces one (the gateway's `tool_choice`); None where this format cannot."""
+        return None
+
     def continuation_pieces(self, env_messages: list[Message], ended_with_stop: bool) -> list[Piece]:
         """What follows a sampled assistant turn: its closing tokens when the policy did not
         sample them, the environment's messages, the next generation prompt."""

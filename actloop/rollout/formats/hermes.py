@@ -103,6 +103,9 @@ def tool_system_prompt(system: str, tools: list[dict[str, Any]], template: str =
 
 class HermesFormat(ChatFormat):
     name = "hermes"
+
+    def call_prefix(self, name: str | None) -> str | None:
+        return TOOL_CALL_OPEN + _call_opening(name)  # as `hermes_call_text` writes a call
     stop_strings = (TOOL_CALL_CLOSE,)
     tool_call_hint = HERMES_HINT
 
@@ -217,6 +220,11 @@ class HermesFormat(ChatFormat):
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
+def _call_opening(name: str | None) -> str:
+    """`{"name": "NAME", "arguments": ` (a call's JSON up to its arguments), or nothing."""
+    return json.dumps({"name": name})[:-1] + ', "arguments": ' if name else ""
+
+
 class Qwen3Format(HermesFormat):
     name = "qwen3"
     stop_strings = ()  # Qwen3 closes its tool calls with <|im_end|> itself (parallel calls stay possible)
@@ -228,6 +236,9 @@ class Qwen3Format(HermesFormat):
 
     def stop_tokens(self) -> tuple[str, ...]:
         return ("<|im_end|>", "<|endoftext|>")
+
+    def call_prefix(self, name: str | None) -> str | None:
+        return f"{TOOL_CALL_OPEN}\n{_call_opening(name)}"  # as Qwen3's template writes a call
 
     def assistant_text(self, message: Message) -> tuple[str, bool]:
         think = f"{_THINK_OPEN}\n{message.reasoning.strip()}\n{_THINK_CLOSE}\n\n" if message.reasoning else ""
