@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -72,7 +73,11 @@ def load_object(spec: str, what: str = "object", noun: str = "NAME") -> Any:
     except Exception as e:
         raise RewardError(f"cannot import `{target}` for {what} `{spec}`: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
-        raise RewardError(f"`{target}` has no {noun.lower()} `{name}`")
+        public = [n for n in vars(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(name, public, n=1, cutoff=0.5) or \
+            [n for n in public if n.lower() == name.lower()]
+        hint = f"; did you mean `{target}:{close[0]}`?" if close else ""
+        raise RewardError(f"`{target}` has no {noun.lower()} `{name}`{hint}")
     return getattr(module, name)
 
 
@@ -96,6 +101,22 @@ def load_reward_func(spec: str) -> RewardFunc:
     if not callable(fn):
         raise RewardError(f"`{spec}` is not a function")
     return fn
+
+
+# what call_reward_func passes besides the row's columns
+SUPPLIED = ("prompts", "completions", "trajectories", "reasoning", "transcripts")
+
+
+def required_columns(fn: Callable) -> list[str]:
+    """The row columns `fn` cannot do without: its parameters without a default, other than
+    those `call_reward_func` always supplies (a column missing from a row would arrive as None)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty
+            and p.name not in SUPPLIED]
 
 
 def wants(fn: Callable, param: str) -> bool:

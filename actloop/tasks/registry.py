@@ -27,7 +27,7 @@ from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mi
 from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_rows, read_rows
 from actloop.envs.base import ChatEnv, Env
 from actloop.rewards import code as code_rewards
-from actloop.rewards.base import RewardError, load_object, load_reward_func
+from actloop.rewards.base import RewardError, load_object, load_reward_func, required_columns
 from actloop.rewards.code import CodeGrader
 from actloop.rewards.differential import DiffSettings
 from actloop.rewards.flags import Flag
@@ -168,6 +168,7 @@ def build_task(cfg: Config, definition: Task | None = None) -> LoadedTask:
         if not user_terms:
             raise ConfigError("data.path needs reward.funcs: name at least one reward function")
         train, held, info, notes = _path_rows(cfg)
+        check_columns(cfg.data.path, train + held, user_terms)
         rubric = Rubric(user_terms, completion=cfg.reward.completion, success_threshold=cfg.reward.success_threshold)
         return LoadedTask("custom", ChatEnv, rubric, train, held, info={"load": info, "notes": notes})
     task = definition or resolve(cfg.data.task, cfg)
@@ -176,10 +177,35 @@ def build_task(cfg: Config, definition: Task | None = None) -> LoadedTask:
         train, held, info, notes = _path_rows(cfg, validate=None)
     else:
         train, held, info = task_rows(task, cfg, cfg.data.eval_size)
-    return LoadedTask(task.name, task.env, _configured(task.rubric(cfg.reward.completion, user_terms), cfg),
+    rubric = _configured(task.rubric(cfg.reward.completion, user_terms), cfg)
+    # the user's rows against every reward function; the task's own rows against the user's functions
+    check_columns(cfg.data.path or task.name, train + held, rubric.terms if cfg.data.path else user_terms)
+    return LoadedTask(task.name, task.env, rubric,
                       tag(train, task.name),
                       tag(held, task.name), info={"load": info, "notes": notes}, rollout=task.rollout,
                       definition=task)
+
+
+def check_columns(source: str, rows: list[Row], terms: list[RewardTerm]) -> None:
+    """Every row holds the columns the user's reward functions name (`required_columns`), checked
+    before a run directory is made: a missing one would reach the function as None."""
+    for term in terms:
+        need = required_columns(term.func)
+        for i, row in enumerate(rows):
+            missing = [c for c in need if c not in row]
+            if missing:
+                where = getattr(term.func, "__code__", None)
+                at = f" ({where.co_filename}:{where.co_firstlineno})" if where else ""
+                raise ConfigError(f"{source}: a row ({row_label(row, i)}) has no column `{missing[0]}`, which reward "
+                                  f"function `{term.name}`{at} takes; its columns: {', '.join(sorted(row)) or 'none'} "
+                                  f"(give the parameter a default if the column is optional)")
+
+
+def row_label(row: Row, i: int) -> str:
+    if "id" in row:
+        return f"id {row['id']!r}"
+    text = " ".join(str(row.get("question") or row.get("prompt") or "").split())
+    return f"row {i + 1} as loaded" + (f", {text[:60]!r}" if text else "")
 
 
 def with_differential(rubric: Rubric, settings: DiffSettings | None = None, **changes: Any) -> Rubric:
@@ -284,9 +310,11 @@ def find_row(task: Task, id: int, rows: list[Row]) -> Row:
 def grade_one(task: Task, row: Row, completion: str) -> dict[str, Any]:
     """Grade one completion against one row with the task's rubric, as training scores a final
     answer: a JSON-ready record ``{"reward", "components", "flags": [{name, evidence, source,
-    action}], "passed", "total", "success", "masked", "errors", "details"}``. `passed` / `total`
-    count tests (code), constraints (instructions), or the one answer."""
+    action}], "passed", "total", "details_counted", "success", "masked", "errors", "details"}``.
+    `passed` / `total` count tests (code) or constraints (instructions), `details_counted` True;
+    else the one answer (1/1 or 0/1)."""
     rubric = task.rubric()
+    check_columns(f"the {task.name} row", [row], rubric.terms)  # a clear error, not a masked TypeError
     details: list[dict[str, Any]] = []
     (scored,) = rubric.score([text_trajectory(completion, row)], details=details)
     info = next((i for i in details[0].values() if "passed" in i and "total" in i), None)
@@ -298,6 +326,7 @@ def grade_one(task: Task, row: Row, completion: str) -> dict[str, Any]:
         "flags": [f.to_dict() if isinstance(f, Flag) else {"name": str(f)} for f in scored.flags],
         "passed": passed,
         "total": total,
+        "details_counted": info is not None,
         "success": scored.success,
         "masked": scored.masked,
         "errors": rubric.errors,

@@ -73,6 +73,8 @@ def test_resolve_names_modules_and_files(user_file):
         resolve("poetry")
     with pytest.raises(ConfigError, match="has no object `NOPE`"):
         resolve(f"{user_file}:NOPE")
+    with pytest.raises(ConfigError, match=r"has no object `TAKS`; did you mean `.*:TASK`\?"):
+        resolve(f"{user_file}:TAKS")
     assert resolve(f"{user_file}:from_config", load_config(None, ["seed=7"])).name == "echo-7"
     assert build(f"data.task={user_file}:from_config", "seed=3", "data.train_size=2").name == "echo-3"
     with pytest.raises(ConfigError, match="is a int, not an actloop Task"):
@@ -173,3 +175,28 @@ def test_the_demo_prompt_ids_are_unchanged(tokenizer):
     for ids in engine.prompts:
         h.update(json.dumps(ids).encode())
     assert h.hexdigest() == DEMO_PROMPT_SHA256
+
+
+def test_rows_missing_a_column_a_reward_function_takes_fail_before_the_run(tmp_path):
+    reward = tmp_path / "needs_answer.py"
+    reward.write_text("def exact(prompts, completions, answer, **kw):\n"
+                      "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+                      "def lenient(prompts, completions, answer=None, **kw):\n"
+                      "    return [0.0 for _ in completions]\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say {i}."}], "answer": str(i)}) + "\n"
+                            for i in range(6)) + json.dumps({"prompt": [{"role": "user", "content": "Say 7."}]}) + "\n")
+    with pytest.raises(ConfigError, match=rf"rows.jsonl: a row \(row \d+ as loaded, .*\) has no column `answer`, "
+                                          rf"which reward function `exact` \({reward}:1\) takes; its columns: prompt"):
+        build(f"data.path={rows}", f"reward.funcs=[{reward}:exact]")
+    assert build(f"data.path={rows}", f"reward.funcs=[{reward}:lenient]").name == "custom"  # a default: optional
+    # `actloop grade` on such a row: the same error, exit 2 (it was a masked "missing 1 required positional argument")
+    user_task = tmp_path / "qa.py"
+    user_task.write_text(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom actloop import PromptEnv, Task\n"
+                         "from needs_answer import exact\n"
+                         "TASK = Task('qa', env=lambda: PromptEnv('Answer.', [], str), rewards=[exact])\n")
+    answer = tmp_path / "a.txt"
+    answer.write_text("7")
+    res = CliRunner().invoke(app, ["grade", "--task", f"{user_task}:TASK", "--id", "6", "--data", str(rows),
+                                   "--completion", str(answer)])
+    assert res.exit_code == 2 and "has no column `answer`" in res.output
