@@ -26,7 +26,7 @@ from actloop.gateway.serve import build as build_server
 from actloop.tasks.registry import BUILTIN, build_task, find_row, grade_one, grade_rows, resolve
 from actloop.train.checkpoint import resume_config
 from actloop.train.compare import compare as _compare
-from actloop.train.evaluate import evaluate
+from actloop.train.evaluate import evaluate, row_question
 from actloop.train.failures import RunAborted
 from actloop.train.trainer import train as run_train
 
@@ -319,20 +319,36 @@ def grade(
         raise typer.Exit(2) from None
     try:
         t = resolve(task)
-        record = {"task": t.name, "id": id, **grade_one(t, find_row(t, id, grade_rows(t, data)), text)}
+        row = find_row(t, id, grade_rows(t, data))
+        record = {"task": t.name, "id": id, **grade_one(t, row, text)}
     except USER_ERRORS as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     if as_json:
         print(json.dumps(record, ensure_ascii=False, default=str))
         return
-    status = "masked (not graded)" if record["masked"] else f"reward {record['reward']:g}"
-    typer.echo(f"{t.name} #{id}: {status}, {record['passed']}/{record['total']} passed, "
-               f"components {record['components']}")
+    if record["masked"]:
+        status = "masked (not graded)"
+    else:
+        counted = record["details_counted"]  # tests or constraints; else the one answer
+        status = (f"reward {record['reward']:g}, " + (f"{record['passed']}/{record['total']} passed" if counted
+                                                      else "correct" if record["success"] else "not correct"))
+    typer.echo(f"{t.name} #{id}: {status}, components {record['components']}")
+    typer.echo(f"  question: {_short(row_question(row))}")
+    if t.gold is not None:
+        try:
+            typer.echo(f"  expected (the task's reference answer): {_short(t.gold(row))}")
+        except Exception:  # a row the task's reference cannot answer: the grade above still stands
+            pass
     for f in record["flags"]:
         typer.echo(f"  flag {f['name']} [{f.get('action', '')}]: {f.get('evidence', '')}")
     if record["errors"]:
-        typer.echo("  grader errors:\n" + "\n".join(record["errors"]))
+        typer.echo("  errors (the reward functions'):\n" + "\n".join(record["errors"]))
+
+
+def _short(text: str, n: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 @config_app.command("show")

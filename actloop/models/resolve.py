@@ -91,6 +91,10 @@ def resolve_model(name: str) -> str:
         return str(out if (out / "config.json").exists() else convert_gguf(path, out))
     if path.exists():
         if not (path / "config.json").exists():
+            if (path / "config.yaml").exists() and (path / "metrics.jsonl").exists():  # a run directory
+                raise ModelError(f"{path} is a training run that kept no final model (trained with "
+                                 f"train.save_final=false, or it has not finished): nothing to load; train with "
+                                 f"train.save_final=true, or continue it with `actloop train resume={path}`")
             raise ModelError(f"{path} exists but holds no config.json; is it a model directory?")
         return str(path)
     if name.count("/") == 1 and not name.startswith(("/", ".")):

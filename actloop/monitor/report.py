@@ -292,6 +292,12 @@ def _summary_rows(d: RunData) -> list[tuple[str, str]]:
         if k in s:
             rows.append((k, _fmt(s[k])))
     rows.append(("steps logged", str(len(d.metrics))))
+    stopped = s.get("stopped")
+    if isinstance(stopped, dict):  # a run stopped before train.steps: where, and why
+        rows.append(("stopped", f"after step {stopped.get('step', '?')} of {s.get('steps_planned', '?')}: "
+                                f"{stopped.get('reason', '?')}"))
+    elif not s:
+        rows.append(("stopped", "no summary.json: the run is still going, or was killed"))
     b = s.get("eval_before", {}).get("success") if isinstance(s.get("eval_before"), dict) else None
     a = s.get("eval_after", {}).get("success") if isinstance(s.get("eval_after"), dict) else None
     if b is not None:
@@ -322,7 +328,7 @@ def _summary_rows(d: RunData) -> list[tuple[str, str]]:
         parts = ", ".join(f"{p} {v / last['total/step_s']:.0%}" for p, v in fr.items() if isinstance(v, (int, float)))
         rows.append(("time split (whole run)", parts))
     if s.get("failures"):  # every recorded kind, masked or trained on (failures.jsonl has each one)
-        rows.append(("recorded failures", ", ".join(f"{k} {v}" for k, v in sorted(s["failures"].items()))))
+        rows.append(("recorded failures", ", ".join(f"{v} {k}" for k, v in sorted(s["failures"].items()))))
     rows.append(("alarms", str(len(d.alarms))))
     if d.skipped_lines:
         rows.append(("unreadable JSONL lines skipped", str(d.skipped_lines)))
@@ -356,7 +362,11 @@ def _sample_html(s: dict[str, Any]) -> str:
             continue
         role = str(m.get("role", ""))
         css = role if role in ("system", "user", "assistant", "tool") else ""
-        parts.append(f"<div class='msg {css}'><b>{_e(role)}</b>: {_e(m.get('content', ''))}</div>")
+        calls = "".join(f"<div class='call'>&rarr; <code>{_e(c.get('name'))}"
+                        f"({_e(json.dumps(c.get('arguments'), ensure_ascii=False))})</code></div>"
+                        for c in m.get("tool_calls") or [] if isinstance(c, dict))  # a call-only turn is not empty
+        reasoning = f"<div class='muted'>{_e(m['reasoning'])}</div>" if m.get("reasoning") else ""
+        parts.append(f"<div class='msg {css}'><b>{_e(role)}</b>: {reasoning}{_e(m.get('content', ''))}{calls}</div>")
     parts.append("</details>")
     return "\n".join(parts)
 

@@ -297,6 +297,21 @@ def load_sharded(ckpt: Checkpoint, dist: Any, model: torch.nn.Module, optimizer:
     return torch.load(own, map_location="cpu", weights_only=False)
 
 
+def remove(ckpt: Checkpoint) -> None:
+    """Delete one checkpoint."""
+    shutil.rmtree(ckpt.path, ignore_errors=True)
+
+
+def drop_outrun(run_dir: str | Path, last: int, every: int) -> list[Path]:
+    """After a run finished at step `last`: delete the checkpoints before it that `checkpoint.every`
+    did not ask for (those a stop wrote: Ctrl-C, a failure guard), now outrun by the finished run
+    and its final model. Returns their paths."""
+    gone = [c for c in list_checkpoints(run_dir) if c.step < last and not (every and c.step % every == 0)]
+    for c in gone:
+        remove(c)
+    return [c.path for c in gone]
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     """Complete checkpoints, oldest first (`.tmp-*` directories are writes that never finished)."""
     root = Path(run_dir) / CHECKPOINTS
@@ -321,7 +336,7 @@ def prune(root: Path, keep: int) -> None:
     of dead processes and `.old-*` copies that were replaced."""
     found = list_checkpoints(root.parent)
     for ckpt in found[: -max(1, keep)]:
-        shutil.rmtree(ckpt.path, ignore_errors=True)
+        remove(ckpt)
     live = {c.path for c in found[-max(1, keep):]}
     for p in root.glob("step-*.old-*"):
         if p not in live:

@@ -126,7 +126,7 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
                              for src in sources}
     if keep_problems:
         out["problems"] = problems
-    out["samples"] = [{"id": row_id(s.trajectory.row, j // k_samples), "question": _question(s.trajectory.row),
+    out["samples"] = [{"id": row_id(s.trajectory.row, j // k_samples), "question": row_question(s.trajectory.row),
                        "transcript": s.trajectory.transcript, "reward": s.reward, "flags": [str(f) for f in s.flags]}
                       for j, s in enumerate(scored[:keep_samples * k_samples:k_samples])]
     return out
@@ -169,9 +169,18 @@ def _summary(scored: list[Scored], problems: list[dict[str, Any]], k_samples: in
     return d
 
 
-def _question(row: dict[str, Any]) -> str:
+def row_question(row: dict[str, Any]) -> str:
+    """What a row asks, for people reading a report or a grade: its question-like column, else its
+    chat prompt's last user message."""
     for key in ("question", "text", "instruction", "task_id"):
         if isinstance(row.get(key), str):
             return row[key]
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if users and isinstance(users[-1], str):
+            return users[-1]
     return str(row.get("target", ""))
 

@@ -161,6 +161,7 @@ class FailureLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.path.touch()  # there, empty, when nothing failed: what docs/runs.md says a run holds
         self._f = None
 
     def write(self, failures: list[Failure]) -> None:

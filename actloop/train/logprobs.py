@@ -17,6 +17,7 @@ the "packed" per-trajectory form the update uses for old / reference / engine lo
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,6 +29,19 @@ from actloop.models.routing import require_routing, routing_state
 from actloop.rollout import cpu_kernel
 from actloop.rollout.engine import autocast_context, cache_kwarg, common_prefix_len, output_cache, use_bf16
 from actloop.rollout.kv import replayable_cache
+
+
+class _CheckpointedCacheNote(logging.Filter):
+    """Drops transformers' "`use_cache=True` is incompatible with gradient checkpointing" (printed
+    by every run): the prefix pass below asks for a cache on purpose and, under checkpointing, hands
+    the layers a replayable one they keep (`_keep_cache`); nothing is lost that the note warns of."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is incompatible with gradient checkpointing" not in record.getMessage()
+
+
+for _name in ("transformers.utils.generic", "transformers.modeling_layers"):
+    logging.getLogger(_name).addFilter(_CheckpointedCacheNote())
 
 
 @dataclass

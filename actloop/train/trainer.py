@@ -510,6 +510,11 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         kinds = count_kinds(totals["failures"])
         stop_msg = (f"no step trained anything: every trajectory of steps 1-{last} was masked ({kinds}). "
                     f"Tracebacks are in {run_dir / 'failures.jsonl'}; failures.nothing_trained=ignore finishes anyway.")
+    summary["steps"] = max(last, 0)  # completed (a stopped run: fewer than train.steps)
+    if last < cfg.train.steps:
+        summary["steps_planned"] = cfg.train.steps
+    else:
+        summary.pop("steps_planned", None)
     if stop_msg or requested:
         summary["stopped"] = {"step": last, "reason": stop_msg or requested}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -534,6 +539,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             models.tokenizer.save_pretrained(tmp)
             checkpoint.install(tmp, final)  # an earlier final/ is deleted only once the new one is in place
         summary["final_dir"] = str(final)
+    if not dist.active and (cfg.train.save_final or totals.get("checkpoint_step") == last):
+        for path in checkpoint.drop_outrun(run_dir, last, cfg.checkpoint.every):  # what a stop wrote
+            print_fn(f"removed {path} (written when the run was stopped; the run has finished)")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run_dir = dist.broadcast_object(run_dir)  # every rank reports rank 0's run directory
     dist.close()

@@ -105,7 +105,7 @@ def test_a_short_run_has_whole_step_ticks_and_every_failure_kind_counted(cfg, tm
     monkeypatch.setattr(Figure, "savefig", recording_savefig)
     page = build_report(run).read_text()
     assert ticks and all(t == int(t) for ts in ticks.values() for t in ts), ticks
-    assert "recorded failures" in page and "parse 6, truncated 2" in page
+    assert "recorded failures" in page and "6 parse, 2 truncated" in page
 
 
 def test_success_plot_draws_each_source_of_a_mix(tmp_path):
@@ -133,3 +133,21 @@ def test_success_plot_draws_each_source_of_a_mix(tmp_path):
     assert {(0, 0.16), (4, 0.48), (0, 0.44), (4, 0.44), (0, 0.3), (4, 0.3)} == set(stars)  # per source and overall
     assert {"train: calculator", "train: instructions", "held-out: calculator", "held-out: instructions"} <= set(labels)
     assert "train: reward_mean" not in labels
+
+
+def test_a_stopped_run_and_a_turn_that_only_calls_a_tool(tmp_path):
+    from actloop.monitor.report import _sample_html
+
+    run = tmp_path / "stopped"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 1, "steps_planned": 3, "failures": {"reward": 8},
+                                                  "stopped": {"step": 1, "reason": "SIGINT"}}))
+    text = build_report(run).read_text()
+    assert "<th>stopped</th><td>after step 1 of 3: SIGINT</td>" in text
+    assert "<th>recorded failures</th><td>8 reward</td>" in text
+    html = _sample_html({"reward": 1.0, "messages": [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"name": "calculator", "arguments": {"expression": "2+2"}}]},
+        {"role": "tool", "content": "4"}]})
+    assert "calculator({&quot;expression&quot;: &quot;2+2&quot;})" in html  # not an empty `assistant:`

@@ -79,6 +79,17 @@ def test_bad_arguments_fail_with_a_message(tmp_path, args, msg):
 
 
 @pytest.mark.data("gsm8k")
+def test_without_json_it_shows_the_row_it_graded(tmp_path):
+    f = tmp_path / "answer.txt"
+    f.write_text("9 * 2 = 18\n#### 18")
+    out = runner.invoke(app, ["grade", "--task", "gsm8k", "--id", "0", "--completion", str(f)]).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("gsm8k #0: reward 1, correct, components")  # not "1/1 passed": there are no tests
+    assert lines[1].startswith("  question: Janet") and "expected (the task's reference answer):" in lines[2]
+    assert "#### 18" in lines[2]
+
+
+@pytest.mark.data("gsm8k")
 def test_the_installed_entry_point_prints_one_json_line(tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("\\boxed{3}")

@@ -317,12 +317,16 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch,
     res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),
                         progress=False, print_fn=said.append)
     assert res.summary["stopped"] == {"step": 1, "reason": "SIGINT"}
+    assert (res.summary["steps"], res.summary["steps_planned"]) == (1, 3)  # what was done, not what was asked
     assert any("resume=" in s for s in said)
     assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [1]
-    res = trainer.train(checkpoint.resume_config(res.run_dir), progress=False, print_fn=said.append)
-    assert "stopped" not in res.summary
+    # finished without a checkpoint at the end but with final/: the stop's checkpoint is outrun, and goes
+    res = trainer.train(checkpoint.resume_config(res.run_dir, ["checkpoint.at_end=false", "train.save_final=true"]),
+                        progress=False, print_fn=said.append)
+    assert "stopped" not in res.summary and res.summary["steps"] == 3 and "steps_planned" not in res.summary
     assert [r["step"] for r in metrics(res.run_dir)] == [1, 2, 3]
-    assert [c.step for c in checkpoint.list_checkpoints(res.run_dir)] == [3]
+    assert checkpoint.list_checkpoints(res.run_dir) == [] and (res.run_dir / "final" / "config.json").exists()
+    assert any("written when the run was stopped" in s for s in said)
 
 
 @pytest.mark.slow
