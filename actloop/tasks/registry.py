@@ -204,7 +204,10 @@ def check_columns(source: str, rows: list[Row], terms: list[RewardTerm]) -> None
 def row_label(row: Row, i: int) -> str:
     if "id" in row:
         return f"id {row['id']!r}"
-    text = " ".join(str(row.get("question") or row.get("prompt") or "").split())
+    text = row.get("question") or row.get("prompt") or ""
+    if isinstance(text, list):  # chat messages: the last one's words
+        text = (text[-1] or {}).get("content", "") if isinstance(text[-1], dict) else ""
+    text = " ".join(str(text).split())
     return f"row {i + 1} as loaded" + (f", {text[:60]!r}" if text else "")
 
 
