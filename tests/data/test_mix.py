@@ -80,7 +80,8 @@ def test_mixed_rubric_scores_each_row_with_its_own_rubric_in_order():
     scored = rubric.score(trajs, details=details)
     assert [s.trajectory for s in scored] == trajs
     assert [(s.reward, s.masked) for s in scored] == [(1.0, False), (0.0, True)] * 2
-    assert rubric.errors and rubric.errors[0].startswith("[b] boom:") and rubric.flag_counts["reward_error"] == 2
+    assert rubric.errors and rubric.errors[0].startswith("[b] reward `boom` raised RuntimeError: grader down (")
+    assert rubric.flag_counts["reward_error"] == 2
     assert len(details) == 4
     with pytest.raises(KeyError, match="not in the mixture"):
         rubric.score([text_trajectory("x", {"source": "c"})])
