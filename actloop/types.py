@@ -8,23 +8,29 @@ the trainer turns them into tensors.
 
 from __future__ import annotations
 
+import os
 import sys
+import sysconfig
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-_PACKAGE = str(Path(__file__).resolve().parent)  # actloop/: frames of ours, not the user's
+# frames that are not the user's: actloop's own, the standard library's, installed packages'
+_NOT_THEIRS = tuple({str(Path(__file__).resolve().parent) + os.sep,
+                     *(str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep
+                       for k in ("stdlib", "purelib", "platlib"))})
 
 
 def user_error(what: str) -> tuple[str, str]:
     """In an `except` block around a user's function (`what`: "reward `f`", "tool `calc`"): one
-    line for the user, the exception and the innermost frame outside actloop (their own file and
-    line), and the traceback from the first frame outside actloop on (Rubric.errors,
-    failures.jsonl), so that it does not stop inside actloop's wrappers."""
+    line for the user, the exception and the innermost frame of their own code (not actloop's, the
+    standard library's or an installed package's: their file and line), and the traceback from
+    the first such frame on (Rubric.errors, failures.jsonl), so that it does not stop inside
+    actloop's wrappers."""
     etype, exc, tb = sys.exc_info()
     frames = traceback.extract_tb(tb)
-    theirs = [i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE)]
+    theirs = [i for i, f in enumerate(frames) if not str(Path(f.filename).resolve()).startswith(_NOT_THEIRS)]
     where = f" ({frames[theirs[-1]].filename}:{frames[theirs[-1]].lineno})" if theirs else ""
     line = f"{what} raised {etype.__name__ if etype else 'an error'}: {exc}{where}"
     start = theirs[0] if theirs else max(0, len(frames) - 4)

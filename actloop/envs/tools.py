@@ -33,9 +33,9 @@ the schema's JSON types, a tool that raises (`ToolError("text")` shows just the 
 exception its type and text; `report_exceptions` narrows which). A tool that raised anything but
 a `ToolError` is also reported to you: `info["tool_raised"]` (a line each, with your file and line)
 and `info["tool_traceback"]` (the first one's) become `tool` failures in `failures.jsonl`, and a
-step in which a tool raised in at least half of the episodes prints a line saying so. A reply without a tool call ends the episode (override `finish` to
-do more). `max_tool_calls` limits calls per episode: the call past it is refused and the episode
-ends. `close()` is called whenever an episode ends, however it ends.
+step in which a tool raised in at least half of the episodes prints a line saying so. A reply
+without a tool call ends the episode (override `finish` to do more). `max_tool_calls` limits
+calls per episode: the call past it is refused and the episode ends. `close()` is called whenever an episode ends, however it ends.
 """
 
 from __future__ import annotations

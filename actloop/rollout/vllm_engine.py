@@ -538,13 +538,10 @@ def release_packed_weights(worker: Any) -> int:
     """Run on vLLM's CPU worker before an update: drop each linear layer's packed weights (vLLM's
     CPU build packs every unquantized weight matrix for its GEMM at load, keeps only the packed
     copy, and the layerwise reload of the next sync packs the new weights afresh), so that the
-    update does not run beside a copy of weights about to be replaced: 270 MB for SmolLM2-135M.
+    update does not run beside a copy of weights about to be replaced (~200 MB for SmolLM2-135M).
     The layers then refuse to compute until that reload. Nothing is dropped (0) where the worker
     has no layerwise reload to re-create them (older vLLM). Returns the layers dropped."""
-    import inspect
-
-    reload = getattr(worker.model_runner, "reload_weights", None)
-    if reload is None or "weights_iterator" not in inspect.signature(reload).parameters:
+    if not _layerwise_reload(worker):
         return 0
     dropped = 0
     for module in worker.model_runner.model.modules():
@@ -565,14 +562,19 @@ def load_into_worker(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
     place. The worker's `reload_weights(weights_iterator=...)` (0.32+; older ones only re-read
     the checkpoint from disk) wraps `load_weights` in the layerwise reload, which re-runs each
     layer's post-load processing and resets LoRA/encoder state; else the model's `load_weights`."""
-    import inspect
-
-    runner = worker.model_runner
-    reload = getattr(runner, "reload_weights", None)
-    if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+    if _layerwise_reload(worker):
         worker.reload_weights(weights_iterator=weights)
     else:
-        runner.model.load_weights(weights)
+        worker.model_runner.model.load_weights(weights)
+
+
+def _layerwise_reload(worker: Any) -> bool:
+    """The worker's runner reloads from an iterator of weights (vLLM 0.32+), re-running each
+    layer's post-load processing."""
+    import inspect
+
+    reload = getattr(worker.model_runner, "reload_weights", None)
+    return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
 
 
 # --- server --------------------------------------------------------------------------------
