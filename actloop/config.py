@@ -262,6 +262,11 @@ class TrainConfig:
         4096, "Token budget of one forward/backward pass: a micro-batch holds at most this many padded tokens "
         "(trajectories x the longest's length) as well as at most train.micro_batch_size trajectories; bounds the "
         "update's activation memory whatever the episode lengths (0 = no budget).")
+    pad_to_multiple: int = opt(
+        64, "The update's padded lengths (each micro-batch's longest suffix, its shared prompt prefix) and the "
+        "number of trained tokens per head pass are rounded up to a multiple of this (1 = exact lengths), so that a "
+        "run's matmuls reuse a few shapes: on a CPU every new shape costs the kernels' caches and the allocator "
+        "memory that is never given back (docs/performance.md). Padding is masked: the results do not change.")
     loss_agg: str = opt(
         "seq_mean",
         "Loss aggregation: `seq_mean` (per-sequence mean, GRPO), `token_mean` (DAPO) or `constant` "
@@ -798,6 +803,7 @@ def validate(cfg: Config) -> None:
         _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
         (cfg.rollout.vllm_kv_cache_gb >= 0, "rollout.vllm_kv_cache_gb must be >= 0"),
+        (cfg.train.pad_to_multiple >= 1, "train.pad_to_multiple must be >= 1"),
         (cfg.rollout.engine_retries >= 0, "rollout.engine_retries must be >= 0"),
         (0 <= cfg.rollout.engine_retry_backoff_s <= cfg.rollout.engine_retry_max_backoff_s,
          "rollout.engine_retry_backoff_s must be >= 0 and <= rollout.engine_retry_max_backoff_s"),

@@ -95,8 +95,14 @@ def _keep_cache(backbone, on: bool):
             del m._can_checkpoint_with_cache
 
 
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple` (n itself for multiple <= 1)."""
+    return -(-n // multiple) * multiple if multiple > 1 else n
+
+
 def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], precision: str = "auto",
-                      share_prefix: bool = True, checkpointing: bool = False, routing=None, replay: bool = False):
+                      share_prefix: bool = True, checkpointing: bool = False, routing=None, replay: bool = False,
+                      pad_to: int = 1):
     """Run the backbone; return (hidden [N, H] at positions predicting masked tokens, targets [N],
     selection (rows, cols) into [B, S], (B, S)).
 
@@ -111,7 +117,11 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
     returned: the shares of trained tokens routed differently in the forward that ran and by
     the trainer's own routers, or None), and replay=True forces it
     (actloop/models/routing.py). Rows then run in full (no shared prefix), one forced choice
-    per position."""
+    per position.
+
+    pad_to: the padded lengths (the suffix's S and the shared prefix's) are rounded up to a
+    multiple of it, so that a run's passes reuse a few tensor shapes (train.pad_to_multiple);
+    right padding is masked out as keys and never a target, so the results do not change."""
     device = next(backbone.parameters()).device
     B = len(seqs)
     set_checkpointing(backbone, checkpointing)
@@ -122,8 +132,8 @@ def hidden_at_targets(backbone, seqs: list[list[int]], masks: list[list[int]], p
     share_prefix = share_prefix and routing is None and not (recompute and uses_layer_masks(backbone))
     state = require_routing(backbone) if routing is not None else routing_state(backbone)
     P_row, prefixes, owner = prefix_plan(seqs, masks) if share_prefix else ([0] * B, [], [])
-    Pmax = max((len(p) for p in prefixes), default=0)
-    S = max(max(len(s) - P - 1 for s, P in zip(seqs, P_row)), 1)
+    Pmax = round_up(max((len(p) for p in prefixes), default=0), pad_to)  # causal: a right pad is seen by no real token
+    S = round_up(max(max(len(s) - P - 1 for s, P in zip(seqs, P_row)), 1), pad_to)
     ids = torch.zeros((B, S), dtype=torch.long)
     attn = torch.zeros((B, Pmax + S), dtype=torch.long)
     tgt = torch.zeros((B, S), dtype=torch.long)
@@ -211,13 +221,15 @@ def prefix_plan(seqs: list[list[int]], masks: list[list[int]]) -> tuple[list[int
 
 def token_logprobs(model, seqs: list[list[int]], masks: list[list[int]], temperature: float = 1.0,
                    precision: str = "auto", share_prefix: bool = True, return_hidden: bool = False,
-                   chunk: int = 1024, checkpointing: bool = False, routing=None, replay: bool = False) -> TokenLogprobs:
+                   chunk: int = 1024, checkpointing: bool = False, routing=None, replay: bool = False,
+                   pad_to: int = 1) -> TokenLogprobs:
     """seqs[i] = full token ids of trajectory i, masks[i] its loss mask (same length); routing /
-    replay: the engine's MoE routing per row, compared and optionally replayed (hidden_at_targets)."""
+    replay: the engine's MoE routing per row, compared and optionally replayed; pad_to: lengths and
+    the head's row count rounded up to a multiple of it (hidden_at_targets, head_logprobs)."""
     backbone, head = backbone_and_head(model)
     h, tgt, sel, (B, S), tmask, disagreement = hidden_at_targets(backbone, seqs, masks, precision, share_prefix,
-                                                                 checkpointing, routing, replay)
-    lp, ent = head_logprobs(head, h, tgt, temperature, precision, chunk)
+                                                                 checkpointing, routing, replay, pad_to)
+    lp, ent = head_logprobs(head, h, tgt, temperature, precision, chunk, pad_to)
     logp = torch.zeros((B, S), device=lp.device, dtype=lp.dtype).index_put(sel, lp)
     entropy = torch.zeros((B, S), device=lp.device).index_put(sel, ent)
     return TokenLogprobs(logp=logp, mask=tmask, entropy=entropy, hidden=h if return_hidden else None,
@@ -226,7 +238,7 @@ def token_logprobs(model, seqs: list[list[int]], masks: list[list[int]], tempera
 
 
 def head_logprobs(head, h: torch.Tensor, tgt: torch.Tensor, temperature: float = 1.0, precision: str = "auto",
-                  chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk: int = 1024, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], targets [N] -> (log-prob of each target under softmax(head(h) / T) [N], with
     gradient; entropy of that distribution [N], detached).
 
@@ -234,7 +246,14 @@ def head_logprobs(head, h: torch.Tensor, tgt: torch.Tensor, temperature: float =
     of [N, V] logits at a time, nothing of size V kept for the backward (it recomputes each
     chunk's logits), so memory does not grow with N x vocabulary. chunk = 0, or another head (a
     LoRA-wrapped lm_head), takes the plain path: full [N, V] logits under autocast, kept by
-    autograd for the backward."""
+    autograd for the backward. pad_to > 1 rounds N up with zero rows, cut off again (their
+    gradient is zero), so the head's matmuls see a few shapes."""
+    n = h.shape[0]
+    if round_up(n, pad_to) > n:
+        extra = round_up(n, pad_to) - n
+        lp, ent = head_logprobs(head, torch.cat([h, h.new_zeros(extra, h.shape[1])]),
+                                torch.cat([tgt, tgt.new_zeros(extra)]), temperature, precision, chunk)
+        return lp[:n], ent[:n]
     if chunk > 0 and type(head) is torch.nn.Linear and head.bias is None:
         dtype = torch.bfloat16 if use_bf16(precision) else head.weight.dtype
         return ChunkedHeadLogprob.apply(h, head.weight, tgt, float(temperature), int(chunk), dtype)

@@ -152,7 +152,7 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_re
             out = token_logprobs(ctx.models.policy, part.seqs, part.loss_masks, ctx.cfg.rollout.temperature,
                                  t.precision, return_hidden=need_values and ctx.critic.mode == "head",
                                  chunk=t.logits_chunk, checkpointing=t.gradient_checkpointing,
-                                 share_prefix=_share_prefix(ctx), **_routing(ctx, part))
+                                 share_prefix=_share_prefix(ctx), pad_to=t.pad_to_multiple, **_routing(ctx, part))
             n = out.mask.sum(-1).tolist()
             batch.put("old_logp", mb, out.logp[out.mask].float().cpu().split(n))
             if need_values:
@@ -163,7 +163,7 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_re
                 with ctx.models.reference_context():
                     r = token_logprobs(ctx.models.reference_model(), part.seqs, part.loss_masks,
                                        ctx.cfg.rollout.temperature, t.precision, chunk=t.logits_chunk,
-                                       checkpointing=t.gradient_checkpointing)
+                                       checkpointing=t.gradient_checkpointing, pad_to=t.pad_to_multiple)
                 batch.put("ref_logp", mb, r.logp[r.mask].float().cpu().split(r.mask.sum(-1).tolist()))
 
 
@@ -385,7 +385,8 @@ def micro_batch_loss(ctx: UpdateContext, part: RolloutBatch, token_weights_args:
     routing = _routing(ctx, part)
     out = token_logprobs(policy, part.seqs, part.loss_masks, cfg.rollout.temperature, t.precision,
                          return_hidden=need_values and ctx.critic.mode == "head", chunk=t.logits_chunk,
-                         checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx), **routing)
+                         checkpointing=t.gradient_checkpointing, share_prefix=_share_prefix(ctx),
+                         pad_to=t.pad_to_multiple, **routing)
     m: dict[str, float] = {}
     if out.routing_disagreement is not None:  # MoE: experts the engine and the trainer chose
         m.update(routing_disagreement=out.routing_disagreement, router_disagreement=out.router_disagreement)
@@ -420,7 +421,8 @@ def _entropy_with_grad(policy, part: RolloutBatch, cfg: Config, routing=None) ->
     entropy_coef > 0)."""
     backbone, head = backbone_and_head(policy)
     h, _, _, _, _, _ = hidden_at_targets(backbone, part.seqs, part.loss_masks, cfg.train.precision,
-                                         checkpointing=cfg.train.gradient_checkpointing, **(routing or {}))
+                                         checkpointing=cfg.train.gradient_checkpointing,
+                                         pad_to=cfg.train.pad_to_multiple, **(routing or {}))
     with autocast_context(cfg.train.precision):
         logits = head(h).float() / cfg.rollout.temperature
     logp = torch.log_softmax(logits, -1)

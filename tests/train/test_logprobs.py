@@ -187,6 +187,49 @@ def test_checkpointing_keeps_the_shared_prefix_with_exact_gradients(groups):
         assert torch.allclose(plain[n], ckpt[n], atol=1e-5), n
 
 
+@pytest.mark.parametrize("groups,ckpt,chunk", [(1, False, 4), (2, False, 0), (1, True, 4), (2, True, 100)])
+def test_padding_to_a_multiple_changes_shapes_not_results(groups, ckpt, chunk):
+    """train.pad_to_multiple: the suffix, the shared prefix and the head's rows padded to a multiple
+    of 16 give the exact lengths' log-probs, entropies and gradients, and the passes ran on the
+    padded shapes (the embedding saw multiples of 16 per row)."""
+    from actloop.train.logprobs import token_logprobs
+
+    model = tiny_llama()
+    model.train(ckpt)
+    seqs, masks = rows_of_two_groups()
+    if groups == 1:
+        seqs, masks = seqs[:3], masks[:3]
+    widths = []
+    model.model.embed_tokens.register_forward_hook(lambda m, i, o: widths.append(i[0].shape[-1]))
+
+    def run(pad_to):
+        model.zero_grad()
+        widths.clear()
+        out = token_logprobs(model, seqs, masks, 0.8, "fp32", chunk=chunk, checkpointing=ckpt, pad_to=pad_to)
+        (out.logp * out.mask).sum().backward()
+        rows = [(out.logp[i][out.mask[i]].detach(), out.entropy[i][out.mask[i]]) for i in range(len(seqs))]
+        return rows, {n: p.grad.clone() for n, p in model.named_parameters()}, list(widths)
+
+    exact, g_exact, w_exact = run(1)
+    padded, g_padded, w_padded = run(16)
+    assert all(w % 16 == 0 for w in w_padded) and w_padded != w_exact
+    for (a, ea), (b, eb), m in zip(exact, padded, masks):
+        assert len(a) == len(b) == sum(m) and torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
+    for n in g_exact:
+        assert torch.allclose(g_exact[n], g_padded[n], atol=1e-5), n
+
+
+def test_head_rows_padded_to_a_multiple_give_the_same_values_and_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 64, bias=False)
+    h, tgt = torch.randn(9, 16, requires_grad=True), torch.randint(0, 64, (9,))
+    out = [head_logprobs(head, h, tgt, 1.1, "fp32", chunk=4, pad_to=p) for p in (1, 8)]
+    assert out[1][0].shape == (9,) and torch.allclose(out[0][0], out[1][0], atol=1e-6)
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-6)
+    grads = [torch.autograd.grad(o[0].sum(), (h, head.weight)) for o in out]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("chunk", [4, 100])  # several chunks (recomputed in the backward), one (kept)
 def test_the_bf16_kernel_computes_what_the_torch_path_does(chunk, monkeypatch):
     """bf16 logits on an AVX-512 CPU take cpu_kernel.head_logprob(_grad_); the same values and
