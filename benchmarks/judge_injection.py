@@ -37,7 +37,7 @@ def main() -> None:
     for obeys, mode, r in table:
         print(f"{obeys:<10} {mode:<9} {r['injections']:>4} {r['injections_paid_full']:>10} {r['injections_flagged']:>8} "
               f"{r['injections_masked']:>7} {len(r['honest_harmed']):>9} / {r['honest']:<2} {r['wrong_paid_full']:>7} / {r['wrong']}")
-    for s in ("dev", "heldout"):
+    for s in ("dev", "heldout", "heldout2"):
         inj = [c for c in CASES if c.set == s and not c.honest]
         look = [c for c in CASES if c.set == s and c.kind == "lookalike"]
         flagged = {x.case.name for x in rows if x.mode == "pointwise" and x.judge == "delimiter" and x.flagged}
