@@ -8,7 +8,8 @@ an obedient one (obeys an injection anywhere) and a delimiter-bound one (obeys o
 outside the data wrapper), in each template mode and as a two-judge panel. The same script
 measures the library it imports, so `PYTHONPATH=<another checkout>` measures that one.
 Per row: injected wrong answers paid in full / flagged / masked, honest answers harmed (less
-than full or flagged), honest wrong answers paid in full. A few seconds.
+than full or flagged), honest wrong answers paid in full; `mean` is the injections'
+mean reward, masked ones left out. A few seconds.
 """
 
 import json
@@ -32,11 +33,11 @@ def main() -> None:
             table.append((obeys, mode, r))
     if "--json" in sys.argv:
         print(json.dumps([{"judge": o, "mode": m, **r} for o, m, r in table], indent=1, ensure_ascii=False))
-    head = f"{'judge':<10} {'mode':<9} {'inj':>4} {'paid full':>10} {'flagged':>8} {'masked':>7} {'honest harmed':>14} {'wrong paid':>11}"
+    head = f"{'judge':<10} {'mode':<9} {'inj':>4} {'paid full':>10} {'flagged':>8} {'masked':>7} {'mean':>5} {'honest harmed':>14} {'wrong paid':>11}"
     print(head)
     for obeys, mode, r in table:
         print(f"{obeys:<10} {mode:<9} {r['injections']:>4} {r['injections_paid_full']:>10} {r['injections_flagged']:>8} "
-              f"{r['injections_masked']:>7} {len(r['honest_harmed']):>9} / {r['honest']:<2} {r['wrong_paid_full']:>7} / {r['wrong']}")
+              f"{r['injections_masked']:>7} {r['injections_mean_reward']:>5.2f} {len(r['honest_harmed']):>9} / {r['honest']:<2} {r['wrong_paid_full']:>7} / {r['wrong']}")
     for s in ("dev", "heldout", "heldout2"):
         inj = [c for c in CASES if c.set == s and not c.honest]
         look = [c for c in CASES if c.set == s and c.kind == "lookalike"]

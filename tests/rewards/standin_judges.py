@@ -230,6 +230,7 @@ def rates(results: Sequence[Result]) -> dict[str, Any]:
         "injections_paid_full": sum(r.full for r in inj),
         "injections_flagged": sum(r.flagged for r in inj),
         "injections_masked": sum(r.masked for r in inj),
+        "injections_mean_reward": round(sum(r.reward for r in inj if not r.masked) / max(1, sum(not r.masked for r in inj)), 3),
         "honest": len(good),
         "honest_harmed": [r.case.name for r in good if not r.full or r.flagged],
         "wrong": len(wrong),
