@@ -41,7 +41,7 @@ def main() -> None:
     for s in ("dev", "heldout", "heldout2"):
         inj = [c for c in CASES if c.set == s and not c.honest]
         look = [c for c in CASES if c.set == s and c.kind == "lookalike"]
-        flagged = {x.case.name for x in rows if x.mode == "pointwise" and x.judge == "delimiter" and x.flagged}
+        flagged = {x.case.name for x in rows if x.judge == "delimiter" and x.flagged}
         print(f"{s}: injections flagged {sum(c.name in flagged for c in inj)} / {len(inj)}, "
               f"look-alikes flagged {sum(c.name in flagged for c in look)} / {len(look)}")
     if "--cases" in sys.argv:
