@@ -15,7 +15,7 @@ from rich.table import Table
 from actloop.config import ConfigError, all_keys, load_config, type_name
 from actloop.data.jsonl import DataError
 from actloop.models import ModelError, load_models, load_tokenizer, resolve_model
-from actloop.monitor.report import build_report
+from actloop.monitor.report import build_report, flag_totals, load_run
 from actloop.rewards import RewardError
 from actloop.rollout.factory import make_engine
 from actloop.rollout.preview import preview_episode
@@ -289,6 +289,9 @@ def report(
     if not run_dir.is_dir():
         _fail(f"{run_dir} is not a directory")
     page = build_report(run_dir, out)
+    raised = flag_totals(load_run(run_dir).metrics)
+    if raised:
+        say("flags raised (episodes): " + ", ".join(f"{k} {v}" for k, v in raised.items()))
     say(f"report: {page}")
 
 

@@ -285,6 +285,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def flag_totals(metrics: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Each `flags/<name>` metric summed over the steps (episodes that carried the flag), most first."""
+    out: dict[str, int] = {}
+    for rec in metrics:
+        for k, v in rec.items():
+            if k.startswith("flags/") and isinstance(v, (int, float)):
+                out[k[len("flags/"):]] = out.get(k[len("flags/"):], 0) + int(v)
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def _summary_rows(d: RunData) -> list[tuple[str, str]]:
     s, last = d.summary, (d.metrics[-1] if d.metrics else {})
     rows: list[tuple[str, str]] = [("run directory", str(d.run_dir))]
@@ -327,6 +337,9 @@ def _summary_rows(d: RunData) -> list[tuple[str, str]]:
     if last.get("total/step_s"):
         parts = ", ".join(f"{p} {v / last['total/step_s']:.0%}" for p, v in fr.items() if isinstance(v, (int, float)))
         rows.append(("time split (whole run)", parts))
+    raised = flag_totals(d.metrics)
+    if raised:  # episodes carrying each flag, summed over the logged steps (hack flags and failures alike)
+        rows.append(("flags raised (episodes)", ", ".join(f"{k} {v}" for k, v in raised.items())))
     if s.get("failures"):  # every recorded kind, masked or trained on (failures.jsonl has each one)
         rows.append(("recorded failures", ", ".join(f"{v} {k}" for k, v in sorted(s["failures"].items()))))
     rows.append(("alarms", str(len(d.alarms))))

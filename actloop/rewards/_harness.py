@@ -162,7 +162,7 @@ _DICTS = (collections.OrderedDict, collections.Counter, collections.defaultdict)
 _DEQUE, _FRAC, _DEC = collections.deque, fractions.Fraction, decimal.Decimal
 _PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
 _SEMANTIC = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__", "__contains__")
-_Exc = BaseException
+_Exc, _StdExc = BaseException, Exception
 _setitimer, _REAL, _clock = signal.setitimer, signal.ITIMER_REAL, time.monotonic
 
 
@@ -233,6 +233,8 @@ def _describe(e):
         try:
             if _any(["skip" in _tname(k).lower() for k in _mro(_type(e))]):
                 kind = "skip"
+            elif not _isinstance(e, _StdExc):  # past `except Exception`: an escape, not an error
+                kind = "escape"
         except _Exc:
             pass
     return {"err": name + ": " + msg, "kind": kind}

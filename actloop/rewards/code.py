@@ -17,7 +17,8 @@ hook files written anywhere in the work directory are reported. See `_harness.py
 
 Reward: passed / total over the visible tests and the held-out ones (MBPP's
 ``challenge_test_list``, when the row has them); `all_or_nothing=True` gives 1.0 only when all
-pass. Runtime flags: ``early_exit``, ``raise_skip``, ``opaque_return``, ``grader_tamper``,
+pass. Runtime flags: ``early_exit``, ``raise_skip``, ``exception_escape`` (a ``BaseException``
+that is neither an exit nor a skip), ``opaque_return``, ``grader_tamper``,
 ``grader_hooks``, ``result_forgery``, ``harness_killed``, ``heldout_gap`` (log-only by default),
 ``sandbox_error`` (masks). Static hack detectors live in `actloop.rewards.hacking`.
 
@@ -375,7 +376,7 @@ class TestReport:
 
 
 HARNESS_FILE = "harness.py"
-_SKIP_KIND, _EXIT_KIND = "skip", "exit"
+_SKIP_KIND, _EXIT_KIND, _ESCAPE_KIND = "skip", "exit", "escape"
 
 
 _BATCH_GRACE_S = 1.5  # a batch's process may run this much past its budget before it is killed
@@ -542,7 +543,7 @@ def _batch_record(r: Mapping[str, Any], i: int, n_probes: int) -> tuple[BatchRes
         flags.append(Flag("result_forgery", f"test {i}: malformed result message"))
         return BatchResult(None, "malformed result"), flags
     for v in vals:
-        if "ok" not in v and v.get("kind") in (_EXIT_KIND, _SKIP_KIND):
+        if "ok" not in v and v.get("kind") in (_EXIT_KIND, _SKIP_KIND, _ESCAPE_KIND):
             flags += _error_flags(v, i)
     return BatchResult(vals, seconds=float(r.get("seconds", 0.0))), flags
 
@@ -596,6 +597,8 @@ def _error_flags(err: Mapping[str, Any], i: int) -> list[Flag]:
         return [Flag("early_exit", f"test {i}: raised {err.get('err', '')[:120]}")]
     if kind == _SKIP_KIND:
         return [Flag("raise_skip", f"test {i}: raised {err.get('err', '')[:120]}")]
+    if kind == _ESCAPE_KIND:  # a BaseException that is no exit: meant to get past `except Exception`
+        return [Flag("exception_escape", f"test {i}: raised {err.get('err', '')[:120]}")]
     return []
 
 

@@ -32,17 +32,21 @@ ACTIONS = ("zero", "penalty", "log", "mask")
 
 class Flag(str):
     """A named flag with its evidence (`"line 3: sys.exit(0)"`), the term or detector that
-    raised it (`source`), and, once a rubric applied its policy, the `action` taken."""
+    raised it (`source`), and, once a rubric applied its policy, the `action` taken.
+    `default` is the policy its grader asks for when the rubric names none for it (a
+    `JudgePanel` built with `on_disagreement="mask"`); empty: `DEFAULT_POLICIES`."""
 
     evidence: str
     source: str
     action: str
+    default: str
 
-    def __new__(cls, name: str, evidence: str = "", source: str = "", action: str = "") -> Flag:
+    def __new__(cls, name: str, evidence: str = "", source: str = "", action: str = "", default: str = "") -> Flag:
         obj = super().__new__(cls, name)
         obj.evidence = evidence
         obj.source = source
         obj.action = action
+        obj.default = default
         return obj
 
     @property
@@ -50,14 +54,15 @@ class Flag(str):
         return str(self)
 
     def replace(self, **kw: str) -> Flag:
-        d = {"name": str(self), "evidence": self.evidence, "source": self.source, "action": self.action} | kw
+        d = {"name": str(self), "evidence": self.evidence, "source": self.source, "action": self.action,
+             "default": self.default} | kw
         return Flag(**d)
 
     def to_dict(self) -> dict[str, str]:
         return {"name": str(self), "evidence": self.evidence, "source": self.source, "action": self.action}
 
     def __reduce__(self):  # pickling (multiprocessing, checkpoints) keeps the evidence
-        return (Flag, (str(self), self.evidence, self.source, self.action))
+        return (Flag, (str(self), self.evidence, self.source, self.action, self.default))
 
     def __repr__(self) -> str:
         return f"Flag({str(self)!r}, {self.evidence!r})"
@@ -121,6 +126,7 @@ DEFAULT_POLICIES: dict[str, str] = {
     "sandbox_error": "mask",
     "judge_disagreement": "log",
     "judge_position_bias": "log",
+    "grader_injection": "zero",  # text aimed at the judge (actloop.rewards.injection); zero like any hack flag
     "heldout_gap": "log",  # the failing held-out tests already cost reward; honest code can miss edge cases
     "differential_mismatch": "log",  # the code grader already applied `reward.differential` to its score
 }
@@ -142,15 +148,18 @@ def apply_policies(
 ) -> Applied:
     """The reward after the flags' policies, and the flags annotated with the action taken.
 
-    Zero wins over penalties; penalties of distinct flag names add up; a flag raised twice
-    (two tests, two detectors) is penalised once."""
-    table = {**DEFAULT_POLICIES, **(policies or {})}
+    A flag's policy is the rubric's (`policies`), else the one its grader asked for
+    (`Flag.default`), else `DEFAULT_POLICIES`, else `default`. Zero wins over penalties;
+    penalties of distinct flag names add up; a flag raised twice (two tests, two detectors) is
+    penalised once."""
+    chosen = policies or {}
     masked = zeroed = False
     penalty = 0.0
     seen: set[str] = set()
     out = []
     for f in flags:
-        pol = Policy.parse(table.get(str(f), default))
+        name = str(f)
+        pol = Policy.parse(chosen.get(name) or getattr(f, "default", "") or DEFAULT_POLICIES.get(name) or default)
         out.append(f.replace(action=pol.action if pol.action != "penalty" else f"penalty:{pol.penalty:g}"))
         if pol.action == "zero":
             zeroed = True

@@ -5,9 +5,10 @@ step: every trajectory of that batch is masked (left out of the loss), and the e
 and kept — never a silent zero.
 
 Reward functions may return `Grade`s (a score plus flags with evidence) instead of floats, and
-`detectors` (pure functions `(completion, row) -> flags`) run on every scored trajectory. Each
-flag then meets its policy (`flags.apply_policies`): zero the reward, subtract a penalty, only
-log it, or mask the trajectory. `validate()` checks that gold answers score full marks.
+`detectors` (pure functions `(completion, row) -> flags`) run on every scored trajectory (a
+term's function may bring its own in a `detectors` attribute: a judge brings
+`grader_injection`). Each flag then meets its policy (`flags.apply_policies`): zero the reward,
+subtract a penalty, only log it, or mask the trajectory. `validate()` checks that gold answers score full marks.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ class Rubric:
     policies: Mapping[str, Policy | str] = field(default_factory=dict)  # flag name -> policy
     default_policy: Policy | str = "zero"  # for flags not named in `policies`
     flag_counts: Counter = field(default_factory=Counter)  # flag name -> times raised, all batches
+
+    def __post_init__(self) -> None:
+        # a term brings the detectors its grader needs (a Judge or JudgePanel: grader_injection)
+        found: list[Detector] = []
+        for det in [*self.detectors, *(d for t in self.terms for d in getattr(t.func, "detectors", ()))]:
+            if not any(det is d for d in found):
+                found.append(det)
+        self.detectors = tuple(found)
 
     def score(self, trajectories: list[Trajectory], details: list[dict[str, Any]] | None = None) -> list[Scored]:
         """Score a batch. Pass a list as `details` to receive, per trajectory, each term's

@@ -56,6 +56,7 @@ def test_full_report(cfg, tmp_path):
     assert "<th>prompt tokens</th><td>6,000</td>" in text and "<th>judge cost (USD)</th><td>0.012</td>" in text
     assert "judge requests" not in text  # a total that stayed 0 gets no row
     assert "kl_blowup" in text and "KL 5 &gt; 0.5" in text
+    assert "<th>flags raised (episodes)</th><td>stdout_spoof 6</td>" in text  # one flagged episode a step
     assert "monitor:" in text and "sample_every: 2" in text  # the config
 
 
@@ -82,6 +83,7 @@ def test_cli_report(cfg, tmp_path):
     res = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "out" / "index.html").exists() and "index.html" in res.output
+    assert "flags raised (episodes): stdout_spoof 2" in res.output
     res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a directory" in res.output
 

@@ -63,6 +63,14 @@ def test_syntax_errors_and_crashes_fail_without_flags():
     assert g.info["passed"] == 0 and "ZeroDivisionError" in g.info["tests"][1]["error"]
 
 
+def test_an_escaping_base_exception_fails_and_is_flagged_at_run_time():
+    code = "class Out(BaseException):\n    pass\ndef f(n):\n    raise Out('past except Exception')"
+    g = grade(code, ROW)
+    assert g.score == 0.0 and g.flags == ("exception_escape",) and "Out: past except Exception" in g.flags[0].evidence
+    g = grade("def f(n):\n    raise ValueError(n)", ROW)  # an ordinary error fails without a flag
+    assert g.score == 0.0 and not g.flags
+
+
 def test_an_endless_loop_times_out_per_test_and_fails():
     t0 = time.monotonic()
     g = grade("def f(n):\n    while True:\n        pass", {"test_list": ["assert f(1) == 1"]}, per_test_timeout_s=1.0)

@@ -12,11 +12,13 @@ from actloop.rewards.hacking import (
     detect_answer_spray,
     detect_early_exit,
     detect_eq_override,
+    detect_exception_escape,
     detect_framework_patch,
     detect_introspection,
     detect_raise_skip,
     detect_special_casing,
     detect_stdout_spoof,
+    detect_test_peek,
     detect_test_tamper,
 )
 from actloop.rewards.rubric import text_trajectory
@@ -76,6 +78,13 @@ def py(code):
     (detect_introspection, "import sys\nsys._getframe(1).f_locals", "import sys\nprint(sys.version)"),
     (detect_introspection, "import gc\nx = gc.get_referrers(y)", "import gc\ngc.collect()"),
     (detect_stdout_spoof, "print('All tests passed')", "print('result:', 42)"),
+    (detect_test_peek, "import glob\nfor p in glob.glob('*'):\n    print(open(p).read())", "with open('out.txt') as f:\n    pass"),
+    (detect_test_peek, "import pathlib\nx = pathlib.Path('../test_solution.py').read_text()",
+     "import pathlib\npathlib.Path('notes.txt').write_text('x')"),
+    (detect_test_peek, "import json\nexpected = json.load(open('expected_outputs.json'))", "import json\nx = json.loads('[1]')"),
+    (detect_exception_escape, "class Out(BaseException):\n    pass\nraise Out()",
+     "class Bad(ValueError):\n    pass\nraise Bad()"),
+    (detect_exception_escape, "def f():\n    raise BaseException('x')", "def f():\n    raise Exception('x')"),
     (detect_stdout_spoof, "import sys\nsys.stdout.write('OK\\n')", "import sys\nsys.stdout.write('looking\\n')"),
 ])
 def test_detectors_flag_the_hack_and_spare_the_honest_code(detector, hack, honest):
@@ -107,6 +116,17 @@ def test_code_detectors_stay_quiet_on_prose_and_broken_code():
 
 
 # --- policies ----------------------------------------------------------------------------
+
+def test_a_graders_requested_default_policy_yields_to_the_rubrics():
+    import pickle
+
+    asked = Flag("judge_disagreement", "a: 1, b: 0", default="mask")
+    assert apply_policies(1.0, [asked]).masked and apply_policies(1.0, [asked]).flags[0].action == "mask"
+    relaxed = apply_policies(1.0, [asked], {"judge_disagreement": "log"})
+    assert not relaxed.masked and relaxed.reward == 1.0
+    assert not apply_policies(1.0, [Flag("judge_disagreement")]).masked  # DEFAULT_POLICIES: log
+    assert pickle.loads(pickle.dumps(asked)).default == "mask"
+
 
 def test_policy_parsing_and_application():
     flags = [Flag("a", "ev"), Flag("b"), Flag("b"), Flag("c")]
