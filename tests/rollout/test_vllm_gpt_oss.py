@@ -100,3 +100,40 @@ def test_the_gateway_answers_an_openai_client_with_the_harmony_call(calling_gpt_
         assert json.loads(call.function.arguments) == {"expression": "12 * 13 + 5"}
     finally:
         gw.stop()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vLLM 0.32's GptOssForCausalLM._load_weights_other writes the sinks and the experts' weights and biases "
+    "with param.copy_, not through their weight_loader; its layerwise reload_weights (the sync's path) counts "
+    "what each layer loaded through weight loaders, finds nothing for OAIAttention and GptOssRoutedExperts "
+    "('Failed to load weights') and puts the previous tensors back: a sync does not reach them"))
+def test_a_weight_sync_reaches_the_sinks_and_the_experts(calling_gpt_oss, engine):
+    import copy
+
+    from actloop.train.logprobs import token_logprobs
+
+    path, model = calling_gpt_oss
+    r = Renderer(model_tokenizer(path))
+    # a prompt it was not taught: its next-token distributions are broad, so stale weights show
+    prompt = r.prompt_ids([Message("user", "Name a colour, then count the letters in its name, please.")])
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in changed.model.layers:
+            layer.self_attn.sinks.add_(3.0)
+            layer.mlp.experts.down_proj.mul_(3.0)
+    engine.sync_weights(changed)
+    try:
+        comps = engine.generate([prompt] * 2, SamplingParams(max_new_tokens=16, temperature=1.0))
+        seqs = [prompt + list(c.token_ids) for c in comps]
+        masks = [[0] * len(prompt) + [1] * len(c.token_ids) for c in comps]
+        gaps = {}
+        for name, m in (("changed", changed), ("old", model)):
+            with torch.no_grad():
+                out = token_logprobs(m, seqs, masks, temperature=1.0, precision="fp32")
+            gaps[name] = max(float((torch.tensor(c.logprobs) - out.logp[i][out.mask[i]]).abs().max())
+                             for i, c in enumerate(comps))
+        print(f"after a sync of changed sinks and experts, max |vLLM - trainer| {gaps}")
+        # measured 2026-12-06: changed 2.3e-3, old 5.0e-6 (a random model: 1.11 against 1.9e-6)
+        assert gaps["changed"] < gaps["old"], f"vLLM still samples from the old sinks and experts ({gaps})"
+    finally:
+        engine.sync_weights(model)
