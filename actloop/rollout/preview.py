@@ -18,7 +18,6 @@ from typing import Any
 
 from actloop.rollout.episodes import open_episode
 from actloop.rollout.renderer import Renderer
-from actloop.types import Message
 
 
 def _span(renderer: Renderer, kind: str, ids: list[int], mask: int) -> dict[str, Any]:
@@ -58,7 +57,7 @@ def preview_episode(renderer: Renderer, env: Any, row: dict[str, Any], replies: 
         message, parsed = renderer.assistant_message(ids)
         spans.append(_span(renderer, "assistant", ids, 1))
         if parsed.error:
-            env_messages = [Message("tool", f"Error: {parsed.error}. {renderer.tool_call_hint}")]
+            env_messages = [renderer.malformed_call_reply(parsed)]
         else:
             result = env.step(message)
             env_messages, done = list(result.messages), result.done

@@ -86,6 +86,12 @@ class Renderer:
         spelling), and whether it ends on a stop token; `encode(text)` gives the sampled ids."""
         return self.format.assistant_text(message)
 
+    def malformed_call_reply(self, parsed: ParsedCalls) -> Message:
+        """The environment's answer to a turn whose tool call could not be parsed: the error and
+        how to write a call, from the tool the call was addressed to when known (a Harmony tool
+        message needs an author)."""
+        return Message("tool", f"Error: {parsed.error}. {self.tool_call_hint}", name=parsed.name)
+
     def assistant_message(self, ids: list[int] | tuple[int, ...]) -> tuple[Message, ParsedCalls]:
         """Sampled ids -> the assistant's message (content, reasoning, tool calls) and the parse
         result (`error` set for a malformed tool call)."""

@@ -129,8 +129,12 @@ def test_harmony_parses_every_tool_call_spelling(tokenizers):
                  ' to=functions.calculator<|channel|>commentary json<|message|>{"expression": "2*3"}<|call|>'):
         msg, parsed = r.assistant_message(r.encode(text))
         assert parsed.error is None and [(c.name, c.arguments) for c in msg.tool_calls] == [("calculator", {"expression": "2*3"})]
+    # a call on the analysis channel is a call, as the Harmony library reads it (gpt-oss emits them)
     msg, parsed = r.assistant_message(r.encode('<|channel|>analysis to=functions.calculator<|message|>{"expression": "1"}<|call|>'))
-    assert not msg.tool_calls and parsed.error is None and msg.reasoning  # thought, not action
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [("calculator", {"expression": "1"})] and not parsed.error
+    # a call's name only in the analysis text is thought, not action
+    msg, parsed = r.assistant_message(r.encode("<|channel|>analysis<|message|>maybe to=functions.calculator<|end|>"))
+    assert not msg.tool_calls and parsed.error is None and msg.reasoning
     _, parsed = r.assistant_message(r.encode("<|channel|>commentary to=functions.calculator<|message|>{oops<|call|>"))
     assert "not valid JSON" in parsed.error
     _, parsed = r.assistant_message(r.encode('<|channel|>commentary to=functions.calculator<|message|>{"a": 1}'))
@@ -223,7 +227,8 @@ def test_render_cli_on_the_tiny_models(fmt, tiny_qwen3_dir, tiny_gpt_oss_dir):
     # the calculator's worked examples, in the format's own spelling (never Hermes text in harmony)
     shot = {"qwen3": '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
                      '"14 * 36 - 97"}}\n</tool_call><|im_end|>',
-            "harmony": '<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>'
+            # in history, as gpt-oss's published template writes a call (docs/models.md, "Harmony")
+            "harmony": '<|start|>assistant to=functions.calculator<|channel|>commentary json<|message|>'
                        '{"expression": "14 * 36 - 97"}<|call|>'}[fmt]
     assert shot in res["prompt_text"]
     assert res["prompt_text"].count({"qwen3": '<tool_call>\n{"name": "calculator"',

@@ -5,11 +5,13 @@ an assistant `Message`. `encode_pieces` is the only tokenizer call that renders:
 text (role headers, template markup) may hold control tokens; `literal` text (every message's
 content except the assistant's own, tool output, tool schemas' descriptions are structural) is
 tokenized with special tokens treated as plain text, so a tool that prints `<|im_end|>` yields
-the characters `<|im_end|>`, never the control token.
+the characters `<|im_end|>`, never the control token. A piece that carries `ids` was tokenized
+by the format's reference library (Harmony on gpt-oss's own vocabulary) and is used as is.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -18,18 +20,46 @@ from actloop.types import Message, ToolCall
 
 @dataclass(frozen=True)
 class Piece:
-    """A span of rendered text. `literal`: environment/user text — special tokens are text."""
+    """A span of rendered text. `literal`: environment/user text — special tokens are text.
+    `ids`: the span's token ids when a reference library tokenized it (then they are used, not
+    the text)."""
 
     text: str
     literal: bool = False
+    ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class ParsedCalls:
-    """Tool calls found in an assistant message; `error` says why a call could not be parsed."""
+    """Tool calls found in an assistant message; `error` says why a call could not be parsed,
+    `name` the tool a malformed call was addressed to, when known (its error reply comes from
+    that tool: Harmony cannot write a tool message without an author)."""
 
     calls: tuple[ToolCall, ...]
     error: str | None = None
+    name: str | None = None
+
+
+class Slots:
+    """Stand-ins for literal contents while a template or library renders text: `slot(text)`
+    returns a marker, `pieces(rendered)` cuts the rendered text back into structural pieces and
+    the literal contents the markers stood for."""
+
+    _MARK = re.compile("\u2063ACTLOOP_(\\d+)\u2063")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def __call__(self, text: str) -> str:
+        self.texts.append(text)
+        return f"\u2063ACTLOOP_{len(self.texts) - 1}\u2063"
+
+    def pieces(self, rendered: str) -> list[Piece]:
+        out, pos = [], 0
+        for m in self._MARK.finditer(rendered):
+            out += [Piece(rendered[pos:m.start()]), Piece(self.texts[int(m.group(1))], literal=True)]
+            pos = m.end()
+        return out + [Piece(rendered[pos:])]
 
 
 class ChatFormat:
@@ -104,7 +134,7 @@ class ChatFormat:
     def encode_pieces(self, pieces: Iterable[Piece]) -> list[int]:
         ids: list[int] = []
         for p in merge_pieces(pieces):
-            ids += self.encode(p.text, p.literal)
+            ids += list(p.ids) if p.ids is not None else self.encode(p.text, p.literal)
         return ids
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
@@ -116,13 +146,17 @@ class ChatFormat:
 
 
 def merge_pieces(pieces: Iterable[Piece]) -> list[Piece]:
-    """Adjacent pieces of the same kind become one (tokenized together, as a template would be)."""
+    """Adjacent pieces of the same kind become one (tokenized together, as a template would be;
+    pieces a library tokenized join their ids)."""
     out: list[Piece] = []
     for p in pieces:
-        if not p.text:
+        if not p.text and not p.ids:
             continue
-        if out and out[-1].literal == p.literal:
-            out[-1] = Piece(out[-1].text + p.text, p.literal)
+        last = out[-1] if out else None
+        if last is not None and last.ids is not None and p.ids is not None:
+            out[-1] = Piece(last.text + p.text, ids=last.ids + p.ids)
+        elif last is not None and last.ids is None and p.ids is None and last.literal == p.literal:
+            out[-1] = Piece(last.text + p.text, p.literal)
         else:
             out.append(p)
     return out

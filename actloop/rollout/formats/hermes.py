@@ -26,14 +26,13 @@ import json
 import re
 from typing import Any
 
-from actloop.rollout.formats.base import ChatFormat, ParsedCalls, Piece, function_schemas
+from actloop.rollout.formats.base import ChatFormat, ParsedCalls, Piece, Slots, function_schemas
 from actloop.types import Message, ToolCall, example_arguments
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
 _TURN = "\u2063ACTLOOP_TURN\u2063"  # stands for a sampled assistant turn when rendering what follows it
-_SLOT = re.compile("\u2063ACTLOOP_(\\d+)\u2063")  # stands for one message's literal content
 HERMES_HINT = 'Write a tool call exactly as <tool_call>{"name": "...", "arguments": {...}}</tool_call>.'
 
 
@@ -126,14 +125,9 @@ class HermesFormat(ChatFormat):
 
     # ------------------------------------------------------------------ rendering
     def _template_messages(self, messages: list[Message], tools: list[dict[str, Any]],
-                           tool_prompt: str = "") -> tuple[list[dict], list[str]]:
+                           tool_prompt: str = "") -> tuple[list[dict], Slots]:
         """Messages as the chat template sees them, each non-assistant content replaced by a slot."""
-        slots: list[str] = []
-
-        def slot(text: str) -> str:
-            slots.append(text)
-            return f"\u2063ACTLOOP_{len(slots) - 1}\u2063"
-
+        slot = Slots()
         messages = list(messages)
         if tools and not self.template_tools:  # the template cannot declare tools: our one tool prompt
             system = messages.pop(0).content if messages and messages[0].role == "system" else ""
@@ -149,7 +143,7 @@ class HermesFormat(ChatFormat):
                 if m.name:
                     d["name"] = m.name
                 out.append(d)
-        return out, slots
+        return out, slot
 
     def _assistant_dict(self, m: Message) -> dict[str, Any]:
         if m.content == _TURN:
@@ -173,11 +167,7 @@ class HermesFormat(ChatFormat):
             kwargs["tools"] = tools
         text = self.tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **kwargs)
-        pieces, pos = [], 0
-        for m in _SLOT.finditer(text):
-            pieces += [Piece(text[pos:m.start()]), Piece(slots[int(m.group(1))], literal=True)]
-            pos = m.end()
-        return pieces + [Piece(text[pos:])]
+        return slots.pieces(text)
 
     def prompt_pieces(self, messages: list[Message], tools: list[dict[str, Any]], tool_prompt: str = "") -> list[Piece]:
         return self._render(messages, tools, add_generation_prompt=True, tool_prompt=tool_prompt)
