@@ -40,6 +40,18 @@ def vllm_available() -> str:
     return ""
 
 
+def is_gpt_oss(model: str) -> bool:
+    """Whether `model` (a name, a hub id or a local directory) is a GPT-OSS model, judged without
+    loading it: its name, or its directory's config.json."""
+    if "gpt-oss" in model.lower() or "gpt_oss" in model.lower():
+        return True
+    cfg_file = Path(model) / "config.json"
+    try:
+        return cfg_file.is_file() and '"gpt_oss"' in cfg_file.read_text().replace(" ", "")
+    except OSError:
+        return False
+
+
 def resolve_engine(cfg: Config) -> tuple[str, str]:
     """(the engine `rollout.engine` means here, why): `auto` becomes vllm where vLLM is installed
     and the run can use it, else hf."""
@@ -56,6 +68,8 @@ def resolve_engine(cfg: Config) -> tuple[str, str]:
         return "hf", "rollout.engine=auto: under torchrun each rank samples with the hf engine (vLLM per rank: not yet)"
     if cfg.train.routing_replay:
         return "hf", "rollout.engine=auto: train.routing_replay needs the experts the hf engine records"
+    if is_gpt_oss(cfg.model):  # vLLM 0.32's in-place reload restores the old sinks and experts (docs/engines.md)
+        return "hf", "rollout.engine=auto: vLLM's weight sync does not reach GPT-OSS's sinks and experts yet"
     return "vllm", "rollout.engine=auto: vLLM is installed"
 
 

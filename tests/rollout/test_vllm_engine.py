@@ -403,7 +403,7 @@ def test_factory_refuses_what_cannot_run(tmp_path):
         make_engine(load_config(None, ["rollout.engine=vllm-server", "rollout.vllm_server_sync=lora"]), models, renderer)
 
 
-def test_auto_resolves_to_vllm_where_installed_else_hf_and_says_why(monkeypatch):
+def test_auto_resolves_to_vllm_where_installed_else_hf_and_says_why(monkeypatch, tmp_path):
     from actloop.rollout import factory
 
     monkeypatch.delenv("ACTLOOP_AUTO_ENGINE", raising=False)
@@ -412,6 +412,13 @@ def test_auto_resolves_to_vllm_where_installed_else_hf_and_says_why(monkeypatch)
     kind, why = factory.resolve_engine(load_config(None, ["train.routing_replay=true"]))
     assert kind == "hf" and "routing_replay" in why
     assert factory.resolve_engine(load_config(None, ["rollout.engine=hf"])) == ("hf", "rollout.engine=hf")
+    kind, why = factory.resolve_engine(load_config(None, ["model=openai/gpt-oss-20b"]))
+    assert kind == "hf" and "sinks and experts" in why
+    local = tmp_path / "tiny"
+    local.mkdir()
+    (local / "config.json").write_text('{"model_type": "gpt_oss"}')
+    assert factory.resolve_engine(load_config(None, [f"model={local}"]))[0] == "hf"
+    assert factory.resolve_engine(load_config(None, [f"model={local}", "rollout.engine=vllm"]))[0] == "vllm"
     monkeypatch.setattr(factory, "vllm_available", lambda: "vLLM is not installed (...)")
     assert factory.resolve_engine(load_config(None, [])) == ("hf", "rollout.engine=auto: vLLM is not installed (...)")
     assert factory.resolve_engine(load_config(None, ["rollout.engine=vllm"]))[0] == "vllm"  # named: no fallback
