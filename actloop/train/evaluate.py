@@ -98,6 +98,8 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
         "reward": mean(s.reward for s in scored),
         "components": component_means(scored),
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
+        "turns_per_episode": mean(len(t.turns) for t in trajs),
+        "sampled_tokens": sum(t.num_response_tokens for t in trajs),
         "malformed_rate": mean(t.num_malformed_calls > 0 for t in trajs),
         "truncated_rate": mean(t.truncated for t in trajs),
         "truncated_context": sum(t.truncated_context for t in trajs),
@@ -110,6 +112,8 @@ def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[di
         "rollout_seconds": round(t_roll - t0, 2),
         "grading_seconds": round(t_grade - t_roll, 2),
     }
+    # what a slow evaluation spent its time on: more tokens (the model wrote more) or fewer tokens a second
+    out["sampled_tokens_per_second"] = round(out["sampled_tokens"] / max(t_roll - t0, 1e-9), 1)
     problems = []
     for i, row in enumerate(rows):
         group = scored[i * k_samples:(i + 1) * k_samples]
@@ -147,7 +151,10 @@ def eval_line(label: str, res: dict[str, Any]) -> str:
     """The line a run prints for an evaluation: greedy success, and when trajectories were masked
     (not graded: a raising reward, a failed rollout) how many and the first one's reason, so that a
     0% that graded nothing does not read as a 0% that graded everything."""
-    line = f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s)"
+    line = f"{label}: greedy success {res['success']:.1%} on {res['n']} held-out problems ({res['seconds']:.0f}s"
+    if "sampled_tokens" in res:  # a slow evaluation says whether the model wrote more or the engine ran slower
+        line += f": {res['sampled_tokens']} tokens sampled at {res['sampled_tokens_per_second']:.0f}/s"
+    line += ")"
     total = res["n"] * res.get("samples_per_problem", 1)
     if res.get("masked"):
         line += f"; {res['masked']} of {total} masked, not graded: {res.get('masked_reason') or '?'}"

@@ -77,6 +77,24 @@ def test_evaluate_reports_the_mean_of_every_rubric_component():
     assert res["success"] == 0.75 and res["tool_calls_per_episode"] == 0.75
 
 
+def test_evaluate_says_how_many_tokens_it_sampled_and_how_fast():
+    """A slow evaluation must say whether the model wrote more (tokens, turns) or the engine ran
+    slower (tokens a second): hand-built episodes of 3+2 and 4 sampled tokens over 1.5 turns."""
+    from actloop.train.evaluate import eval_line
+
+    def ep(*turn_lengths):
+        turns = tuple(Turn(Message("assistant", "x"), tuple(range(n)), (0.0,) * n, "stop") for n in turn_lengths)
+        return Trajectory((Message("user", "q"),), (), turns, row={"answer": "1"})
+
+    trajs = [ep(3, 2), ep(4)]
+    rows = [t.row for t in trajs]
+    task = LoadedTask("t", GSM8K_TOOL.env, GSM8K_TOOL.rubric(), [], rows, rollout=lambda *args: trajs)
+    res = evaluate(None, None, task, rows, 64, 3)
+    assert res["sampled_tokens"] == 9 and res["turns_per_episode"] == 1.5
+    assert res["sampled_tokens_per_second"] > 0
+    assert ": 9 tokens sampled at " in eval_line("eval_before", res)
+
+
 def run_cli(*args):
     proc = subprocess.run([sys.executable, "-m", "actloop", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
