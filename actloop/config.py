@@ -515,7 +515,7 @@ class SandboxConfig:
 
 
 # The defaults are the demo recipe (`actloop train` with no arguments): GRPO on the calculator
-# task with the embedded model, sized for a 2-core CPU (about 25 s a step there).
+# task with the embedded model, sized for a 2-core CPU.
 
 
 @dataclass
