@@ -8,13 +8,15 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from actloop.config import SandboxBackend, choices
+
 from .base import IsolationUnavailableError, Limits, Sandbox, SandboxError
 from .bwrap import BwrapSandbox
 from .docker import DEFAULT_IMAGE, DockerSandbox, docker_available, image_present, missing_image_hint
 from .rlimit import RlimitSandbox, warn_once
 from .pool import SandboxPool
 
-BACKENDS = ("auto", "bwrap", "rlimit", "docker")
+BACKENDS = choices(SandboxBackend)  # sandbox.backend's values
 
 
 @dataclass(frozen=True)
