@@ -157,3 +157,11 @@ def test_config_show_lists_each_choice_keys_values():
     yaml_text = CliRunner().invoke(app, ["config", "show", "--yaml"]).output  # each key's doc as comments above it
     comments = " ".join(ln.strip().removeprefix("# ") for ln in yaml_text.splitlines() if ln.strip().startswith("#"))
     assert "One of: auto, hf, vllm, vllm-server, ray." in comments
+
+
+def test_the_sandbox_offers_exactly_the_backends_the_config_accepts():
+    """The stdlib-only sandbox keeps its own tuple (it loads without the config's yaml/torch)."""
+    from actloop.config import SandboxBackend
+    from actloop.sandbox.factory import BACKENDS
+
+    assert BACKENDS == choices(SandboxBackend)
