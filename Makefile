@@ -79,12 +79,11 @@ test-fast: setup
 clean-venv:
 	rm -rf $(VENV)
 
-# --- Docker sandbox tier (issue 20; owner: sandbox) -------------------------------------------
+# --- Docker sandbox tier -------------------------------------------
 # `make test` also readies the Docker tier where the machine allows: docker.io + debootstrap
 # (root + apt), a daemon started in the background if none answers, and the offline image
 # (cached). Never fatal: the Docker tests skip with the reason otherwise. `make docker-sandbox`
-# alone does the same. Costs on a fresh machine, once: apt 11-43 s, the daemon ~2 s, debootstrap
-# 35 s idle to 180 s under load (docs/sandbox.md); then under a second.
+# alone does the same. A few minutes once on a fresh machine, then under a second (docs/sandbox.md).
 DOCKER_IMAGE ?= actloop-sandbox:bookworm
 .PHONY: docker-sandbox
 docker-sandbox: setup

@@ -2,7 +2,7 @@ import pytest
 from typer.testing import CliRunner
 
 from actloop.cli import app
-from actloop.config import ConfigError, all_keys, load_config
+from actloop.config import ConfigError, all_keys, choices, get_key, load_config
 
 REQUIRED = ["model", "seed", "output_dir", "data.path", "reward.funcs", "train.steps", "train.prompts_per_step",
             "train.group_size", "train.lr", "train.beta", "rollout.max_new_tokens", "rollout.temperature", "lora.enabled"]
@@ -117,3 +117,51 @@ def test_explicit_keys_are_the_ones_the_file_and_overrides_set(tmp_path):
     assert load_config(p, ["dpo.epochs=2", "train.group_size=8"]).explicit_keys == {
         "train.steps", "dpo.epochs", "train.group_size"}
     assert load_config(None, []).explicit_keys == set()
+
+
+CHOICE_KEYS = [(k, choices(tp)) for k, tp, _, _ in all_keys() if choices(tp)]
+
+
+def test_the_fixed_choice_keys_are_typed_with_their_values():
+    keys = dict(CHOICE_KEYS)
+    assert keys["rollout.engine"] == ("auto", "hf", "vllm", "vllm-server", "ray")
+    assert {"train.optimizer", "train.precision", "sandbox.backend", "kl.mode", "data.bad_rows"} <= set(keys)
+
+
+@pytest.mark.parametrize("key,values", CHOICE_KEYS, ids=[k for k, _ in CHOICE_KEYS])
+def test_a_choice_key_loads_each_of_its_values_and_names_the_closest_for_a_typo(key, values):
+    for v in values:
+        assert get_key(load_config(None, [f"{key}={v}"]), key) == v
+    typo = values[-1][:-1] + "_"  # one character off the last value
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}={typo}"])
+    assert str(e.value) == f"{key} must be one of {', '.join(values)}; got `{typo}`; did you mean `{values[-1]}`?"
+
+
+def test_a_list_of_choices_checks_each_entry():
+    assert load_config(None, ["failures.count=[env,tool]"]).failures.count == ["env", "tool"]
+    with pytest.raises(ConfigError, match=r"failures.count\[1\] must be one of .*; got `sandbx`; did you mean `sandbox`"):
+        load_config(None, ["failures.count=[env,sandbx]"])
+
+
+def test_a_registry_choice_gets_the_closest_name_too():
+    with pytest.raises(ConfigError, match=r"kl.controller must be one of fixed, adaptive; got `adaptiv`; did you mean `adaptive`"):
+        load_config(None, ["kl.controller=adaptiv"])
+
+
+def test_config_show_lists_each_choice_keys_values():
+    res = CliRunner().invoke(app, ["config", "show", "--plain"])
+    assert res.exit_code == 0, res.output
+    for key, values in CHOICE_KEYS:
+        assert f"{key} ({'|'.join(values)}) = " in res.output, key
+    yaml_text = CliRunner().invoke(app, ["config", "show", "--yaml"]).output  # each key's doc as comments above it
+    comments = " ".join(ln.strip().removeprefix("# ") for ln in yaml_text.splitlines() if ln.strip().startswith("#"))
+    assert "One of: auto, hf, vllm, vllm-server, ray." in comments
+
+
+def test_the_sandbox_offers_exactly_the_backends_the_config_accepts():
+    """The stdlib-only sandbox keeps its own tuple (it loads without the config's yaml/torch)."""
+    from actloop.config import SandboxBackend
+    from actloop.sandbox.factory import BACKENDS
+
+    assert BACKENDS == choices(SandboxBackend)

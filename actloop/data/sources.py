@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from actloop.config import BadRows, choices
 from actloop.data.jsonl import DataError, json_error, validate_row
 from actloop.rewards.base import RewardError
 from actloop.rewards.code import tests_from_row
@@ -36,7 +37,7 @@ from actloop.rewards.math import gold_value
 
 Row = dict[str, Any]
 Validator = Callable[[Row], Row]
-BAD_ROWS = ("error", "skip")
+BAD_ROWS = choices(BadRows)  # data.bad_rows's values
 HUB = "hub"  # data.dir=hub: skip local copies
 
 

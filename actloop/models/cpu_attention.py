@@ -1,10 +1,8 @@
 """`actloop_sdpa`: transformers' SDPA attention, with a plain matmul path for small score tensors.
 
 On the CPU, torch's flash-attention kernel for bf16 is slow for the short sequences of a GRPO step:
-one layer of the benchmark's update (8 rows x 9 query heads x 64 queries over 184 keys, 3 KV heads,
-bf16) took 3.1 ms forward + 12.5 ms backward, against 2.8 + 4.0 ms for the same attention as two
-matmuls and an fp32 softmax; over the update of `benchmarks/grpo_vs_trl.py` (30 layers, one forward
-and backward) ~0.35 s of ~3.4 s (docs/performance.md, 2026-12-04). The matmul path materialises the
+its backward took three times as long as the same attention written as two matmuls and an fp32
+softmax on the benchmark update's shapes (docs/performance.md). The matmul path materialises the
 [B, Hq, S, L] scores (and keeps the probabilities for the backward), so it is taken only while
 B x Hq x S x L <= `MAX_SCORES` (2^20: the probabilities kept for the backward are 2 MB a layer at
 most in bf16, 60 MB over SmolLM2's 30 layers; the benchmark's update is 0.85M); longer sequences

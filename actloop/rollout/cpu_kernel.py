@@ -9,23 +9,14 @@ RMSNorm (`rms_norm_train_bf16.c`) and the MLP's SiLU(gate) x up (`swiglu_train_b
 A decode step multiplies a few rows (the live batch) by every weight matrix of the model, so it
 is one pass over the weights per step. MKL's sgemm (fp32, AVX2) and oneDNN's bf16 GEMM are far
 from that pass's memory-bandwidth floor for so few rows; the kernels stream each weight row once
-and feed it to all rows at once. Measured on the 2-core AMD EPYC (Zen 3, AVX2) development box, 2
-threads, SmolLM2-135M's 210 decoder matrices plus its [49152, 576] head (540 MB of fp32), ms per
-pass, alternating in one process (`docs/performance.md`):
-
-    rows              1       2       8        32
-    x W^T (MKL)     58-59   90-96  106-114  161-202
-    (W x^T)^T       53-58   33-35   85-98   107-112
-    this kernel     19-22   22-26   44-50   159-183
-
-and in bf16 (270 MB) on the 2-core Zen 4 box (AVX512-BF16): oneDNN 27-31 ms at 1 row, 35-38 at 8,
-40-46 at 16; the bf16 kernel 12-13, 16-18 and 25-31 ms (a sum over the same 270 MB: 9-10 ms).
-So they take 1..`max_rows(dtype)` rows (`SmallBatchLinear`).
+and feed it to all rows at once (at 8 rows about twice as fast as MKL's or oneDNN's pass over
+SmolLM2-135M; the tables: docs/performance.md, "Figures the docstrings carried"). Above a few dozen
+rows the libraries catch up, so the kernels take 1..`max_rows(dtype)` rows (`SmallBatchLinear`).
 
 Why the decode kernels are still here, though vLLM's CPU build samples the rollouts on x86 Linux:
 the HF engine they serve is still the engine there under `torchrun`, in Ray actors and with MoE
 routing replay (until vLLM runs those), and in the test suite; without them it decodes 2-2.9x
-slower at 8 rows, where it also beats vLLM's CPU build (docs/performance.md, 2026-12-06).
+slower at 8 rows, where it also beats vLLM's CPU build (docs/performance.md).
 
 Each library is compiled with the system C compiler (`$CC`, else `cc`; the flags of its `Kernel`)
 into `$ACTLOOP_CACHE/kernels/`, keyed by a hash of the source and flags, once per machine, and
@@ -55,12 +46,10 @@ from actloop.models.resolve import cache_dir
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # above this the fp32 kernel is no faster than MKL (32 rows: 159-183 vs 161-202 ms)
+MAX_ROWS = 16  # above this the fp32 kernel is no faster than MKL
 MAX_ROWS_BF16 = 16  # the bf16 kernel against oneDNN: see `max_rows`
 # rows of one `decode_layers` call: its matmuls go through the bf16 kernel at any row count, and saving
-# ~12 Python-level operators a layer outweighs oneDNN's faster GEMM up to ~48 rows (SmolLM2-135M, 150
-# keys, 2-core Zen 4, ms a step, one call against the operators: 8 rows 19-22 vs 27, 24: 47 vs 57-61,
-# 32: 69 vs 73-76, 48: 101-116 vs 98-124, 64: 145-156 vs 114-143)
+# ~12 Python-level operators a layer outweighs oneDNN's faster GEMM up to ~48 rows (docs/performance.md)
 MAX_ROWS_STACKED = 32
 MAX_HEAD_DIM = 256  # decode_attention_bf16.c's MAXD
 

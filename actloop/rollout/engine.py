@@ -184,9 +184,7 @@ class EngineBase:
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU runs bf16 matmuls natively: oneDNN's own check (AVX-512 on x86, with
     AVX512-BF16 / AMX the fastest; the BF16 extension on Arm). An AVX2-only CPU (AMD Zen 2/3, many
-    laptop CPUs) emulates them: measured on a 2-core AMD EPYC (Zen 3, AVX2), 2 threads,
-    a [M, 576] x [576, 1536] matmul is 2.0x slower in bf16 than in fp32 at M = 8, 5.5x at M = 32,
-    8.7x at M = 700 (docs/performance.md has the training step)."""
+    laptop CPUs) emulates them, up to ~9x slower than fp32 (docs/performance.md)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN

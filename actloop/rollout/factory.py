@@ -19,12 +19,12 @@ from typing import Any
 
 import torch.distributed
 
-from actloop.config import Config, ConfigError
+from actloop.config import Config, ConfigError, EngineName, choices
 from actloop.models import resolve_model
 from actloop.rollout.engine import HFEngine
 from actloop.rollout.isolation import IsolatedEngine
 
-ENGINES = ("auto", "hf", "vllm", "vllm-server", "ray")
+ENGINES = choices(EngineName)  # rollout.engine's values
 TORCHRUN_ENGINES = ("auto", "hf")  # what each rank may sample with under torchrun (vLLM per rank: issue "vLLM at scale")
 # `rollout.engine=auto` picks this engine instead of vLLM when set (`hf`): e.g. a test suite or a
 # shared box where vLLM's start (15-55 s on a CPU) costs more than its faster decode saves

@@ -2,19 +2,12 @@
 weight matrix.
 
 For few rows, MKL's fp32 GEMM is much faster with the weight as the left operand: y = (W x^T)^T
-instead of y = x W^T (the same products; MKL may sum them in another order: equal to ~1e-6). Measured on the 2-core
-AMD EPYC (Zen 3, AVX2) development box, 2 threads, SmolLM2-135M's 210 decoder matrices plus its
-[49152, 576] head, weights streaming from memory as in decode (`docs/performance.md`):
-
-    rows              4      8      16     32     64
-    x W^T   (ms)    110    139-161  151    152    221
-    (W x^T)^T (ms)   59     85-88    88    104    174
-
+instead of y = x W^T (the same products; MKL may sum them in another order: equal to ~1e-6):
+~1.7x at 8 rows over SmolLM2-135M's matrices (docs/performance.md, "Figures the docstrings carried").
 One row is no faster (a GEMV either way) and at a few hundred rows the decoder's matrices are within noise,
 so only 2..`max_rows` fp32 rows take the transposed form (in bf16 oneDNN's x W^T is the faster one;
 CUDA keeps `F.linear`). Up to `cpu_kernel.max_rows(dtype)` rows go to actloop's own kernels where they
-could be built (`rollout/cpu_kernel.py`: fp32 on AVX2, 1 row 19-22 ms, 8 rows 44-50 ms for the same pass;
-bf16 on AVX512-BF16, 8 rows 16-18 ms for the 270 MB bf16 copy on the Zen 4 box), which stream each
+could be built (`rollout/cpu_kernel.py`: fp32 on AVX2, bf16 on AVX512-BF16), which stream each
 weight row once for all rows. The engine's own copy of the policy gets these modules
 (`use_small_batch_linears`), and its lean decode forward calls `linear` directly; the trainer's modules
 are never touched.

@@ -14,6 +14,8 @@ from .docker import DEFAULT_IMAGE, DockerSandbox, docker_available, image_presen
 from .rlimit import RlimitSandbox, warn_once
 from .pool import SandboxPool
 
+# sandbox.backend's values (config.SandboxBackend). Written here too: the sandbox imports nothing outside the
+# standard library (it loads under `python -S`, tests/sandbox/test_sandbox.py); a test keeps the two equal.
 BACKENDS = ("auto", "bwrap", "rlimit", "docker")
 
 

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-from actloop.config import Config, ConfigError, load_config
+from actloop.config import BadRows, Config, ConfigError, Split, choice_error, choices, load_config
 from actloop.data.jsonl import DataError
 from actloop.data.mix import MixedEnv, MixedRubric, allocate, mix_rows, parse_mix, tag
 from actloop.data.sources import DATASETS, chat_row, is_hub_id, load_dataset_rows, read_rows
@@ -79,10 +79,10 @@ def _user_terms(cfg: Config) -> list[RewardTerm]:
 
 
 def _check_data_keys(cfg: Config) -> None:
-    if cfg.data.bad_rows not in ("error", "skip"):
-        raise ConfigError(f"data.bad_rows must be error or skip; got `{cfg.data.bad_rows}`")
-    if cfg.data.split not in ("train", "test", "validation"):
-        raise ConfigError(f"data.split must be train, test or validation; got `{cfg.data.split}`")
+    """The choices load_config checks, again for a Config built in code."""
+    for key, value, tp in (("data.bad_rows", cfg.data.bad_rows, BadRows), ("data.split", cfg.data.split, Split)):
+        if value not in choices(tp):
+            raise choice_error(key, value, choices(tp))
 
 
 def task_rows(task: Task, cfg: Config, n_eval: int) -> tuple[list[Row], list[Row], list[dict[str, Any]]]:

@@ -17,9 +17,8 @@
 - `autocast`: `torch.autocast` over the fp32 weights (the residual stream stays fp32; each
   forward casts the weights it multiplies). What transformers' Trainer does with `bf16=True`.
 
-Measured on the 2-core Zen 4 box (docs/performance.md, 2026-12-04 evening): one bench-sized update
-(8 trajectories, 752 positions, SmolLM2-135M) ran its forward in 0.81-0.84 s instead of
-0.93-1.42 s and its backward in 1.43-1.49 s instead of 1.59-1.78 s.
+`weights` is the faster of the two on a CPU with native bf16 (a bench-sized update's backward
+~10% shorter; docs/performance.md).
 """
 
 from __future__ import annotations

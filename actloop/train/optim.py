@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from actloop.config import OptimizerName, choices
+
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -26,7 +28,7 @@ def fusable(tensors: list[torch.Tensor]) -> bool:
                for t in tensors)
 
 
-OPTIMIZERS = ("auto", "adamw", "adamw_bf16_momentum", "adamw_8bit")
+OPTIMIZERS = choices(OptimizerName)  # train.optimizer's values
 
 
 def resolve_optimizer(kind: str, tensors: list[torch.Tensor]) -> str:

@@ -60,7 +60,7 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
         build("data.task=poetry")
     with pytest.raises(ConfigError, match="humaneval has no training split"):
         build("data.task=humaneval")
-    with pytest.raises(ConfigError, match="data.bad_rows must be error or skip"):
+    with pytest.raises(ConfigError, match="data.bad_rows must be one of error, skip; got `maybe`"):
         build("data.bad_rows=maybe")
     with pytest.raises(ConfigError, match="data.split must be"):
         build("data.split=dev")

@@ -1,4 +1,4 @@
-"""README.md says what the program does (issue 18: its quoted error had other quoting than the
+"""README.md and the user guide it points to (docs/guide.md) say what the program does (issue 18: its quoted error had other quoting than the
 program printed). Fast, nothing trains:
 
 - every `$ actloop ...` transcript in a ```console block is run, and each output line the README
@@ -28,7 +28,8 @@ from actloop.cli import _split_args, app
 from actloop.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+DOCS = ("README.md", "docs/guide.md")  # the README's tour, and the guide that gives it in full
+README = "\n".join((ROOT / doc).read_text() for doc in DOCS)
 FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 
 
@@ -43,7 +44,7 @@ def transcripts() -> list[tuple[str, list[str]]]:
         for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
             cmd, *lines = chunk.rstrip("\n").split("\n")
             out.append((cmd, [ln for ln in lines if ln.strip()]))
-    return out
+    return list(dict.fromkeys((cmd, tuple(lines)) for cmd, lines in out))
 
 
 def commands() -> list[str]:
@@ -54,7 +55,7 @@ def commands() -> list[str]:
             line = line.split(" #")[0].strip()
             if line.startswith("actloop "):
                 out.append(line)
-    return out
+    return list(dict.fromkeys(out))
 
 
 MY_REWARDS = '''def reasoning_reward_func(prompts, completions, answer_keys=None, **kwargs):

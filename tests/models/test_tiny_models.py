@@ -59,13 +59,24 @@ def test_tiny_qwen3(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("which", ["tiny_gpt_oss_dir", "tiny_qwen3_dir"])
-def test_tiny_models_run_forward(which, request):
+def test_actloop_loads_and_scores_the_tiny_models(which, request):
+    """actloop's loader and the trainer's token scorer on each fixture (GPT-OSS: sinks, a sliding-window
+    layer, experts): over three sliding windows of tokens, the log-probs the trainer computes (shared
+    prompt prefix, chunked head) are the model's own softmax at the scored ids, and they vary (random
+    weights, not flat ones)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    path = request.getfixturevalue(which)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    ids = torch.arange(3 * GPT_OSS_SLIDING_WINDOW)[None] % model.config.vocab_size
-    logits = model(input_ids=ids).logits
-    assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and torch.isfinite(logits).all()
-    assert logits.float().std() > 0.1  # random but not uniform
+    from actloop.models import load_models
+    from actloop.train.logprobs import token_logprobs
+
+    model = load_models(request.getfixturevalue(which)).policy
+    ids = [int(i) for i in torch.arange(3 * GPT_OSS_SLIDING_WINDOW) * 7 % model.config.vocab_size]
+    mask = [0] * 4 + [1] * (len(ids) - 4)  # a 4-token prompt, then the scored completion
+    with torch.no_grad():
+        out = token_logprobs(model, [ids], [mask], 1.0, "fp32")
+        logits = model(input_ids=torch.tensor([ids])).logits.float()[0, :-1]  # [S-1, V] predicts ids[1:]
+    own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]  # [S-1]
+    scored = out.logp[0][out.mask[0].bool()]  # the completion's tokens, in order
+    assert len(scored) == sum(mask)
+    assert torch.allclose(scored, own[3:], atol=1e-4), (scored - own[3:]).abs().max()
+    assert scored.std() > 0.1

@@ -19,16 +19,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SFT, GRPO = ROOT / "recipes" / "retool_sft.yaml", ROOT / "recipes" / "retool.yaml"
 
 
-def test_retool_recipes_load_and_say_how_to_chain():
-    sft, grpo = load_config(SFT), load_config(GRPO)
+def test_retool_recipes_chain_sft_final_into_grpo():
+    """The chain the recipes' headers give: the SFT recipe under run_name=retool_sft writes a whole
+    model to RUN_DIR/final, and the GRPO recipe with model= that directory starts from it."""
+    sft = load_config(SFT, ["run_name=retool_sft"])
+    final = Path(sft.output_dir) / sft.run_name / "final"
+    grpo = load_config(GRPO, [f"model={final}", "run_name=retool"])
     assert (sft.algo, sft.data.task, grpo.algo, grpo.data.task) == ("sft", "gsm8k-tool", "grpo", "gsm8k-tool")
+    assert sft.train.save_final and not sft.lora.enabled and grpo.model == str(final) == "runs/retool_sft/final"
     # the policy GRPO starts from was evaluated, and trained, with the same turn budget
     assert (sft.rollout.max_new_tokens, sft.rollout.max_turns) == (grpo.rollout.max_new_tokens, grpo.rollout.max_turns)
     assert grpo.train.eval_every > 0 and grpo.train.eval_every_rows > 0 and grpo.data.eval_size > 0
-    for path in (SFT, GRPO):
-        header = path.read_text().split("\nalgo:")[0]
-        assert "actloop train recipes/retool_sft.yaml run_name=retool_sft" in header, path
-        assert "actloop train recipes/retool.yaml model=runs/retool_sft/final" in header, path
 
 
 @pytest.mark.data("gsm8k")

@@ -172,3 +172,24 @@ def test_a_bf16_update_runs_on_bf16_weights_and_learns(tiny_qwen3_dir, monkeypat
     assert len(seen) == 1 + 2 and all(b is lent for b in seen)  # the fixed pass (epochs=2: old log-probs), 2 steps
     assert {p.dtype for p in policy.parameters()} == {torch.float32} and m["optimizer_steps"] == 2
     assert m["trained_trajectories"] == 2 and after > before + 0.05, (before, after)
+
+
+@pytest.mark.parametrize("algo", ONLINE)
+def test_the_update_reads_the_algorithms_row_not_its_name(tiny_qwen3_dir, algo, monkeypatch):
+    """The same row of ALGORITHMS under another name makes exactly the same step: nothing in the
+    update branches on an algorithm's name (a new algorithm is a new row, not a new `if`)."""
+    extra = ("ppo.gamma=1.0", "ppo.lam=1.0") if ALGORITHMS[algo].needs_critic else ()
+    monkeypatch.setitem(ALGORITHMS, f"renamed_{algo}", ALGORITHMS[algo])
+    steps = []
+    for name in (algo, f"renamed_{algo}"):
+        cfg, models, scored = setup(tiny_qwen3_dir, algo, *extra)
+        cfg.algo = name  # the row is the same; only the name differs
+        critic = Critic(models.policy, cfg.ppo.critic) if ALGORITHMS[algo].needs_critic else None
+        params = [p for p in models.policy.parameters() if p.requires_grad]
+        start = [p.detach().clone() for p in params]
+        opt = torch.optim.SGD(params + (list(critic.parameters()) if critic else []), lr=1e-2)
+        m = rl_update(UpdateContext(cfg, models, opt, critic, 0.0, "none"), scored, 2)
+        steps.append(([p.detach() - s for p, s in zip(params, start)], m["grad_norm"]))
+    (delta_a, norm_a), (delta_b, norm_b) = steps
+    assert max(float(d.abs().max()) for d in delta_a) > 1e-6  # the step changed the weights
+    assert norm_a == norm_b and all(torch.equal(a, b) for a, b in zip(delta_a, delta_b)), algo
