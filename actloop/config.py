@@ -172,10 +172,15 @@ class RolloutConfig:
     vllm_server_url: str = opt("http://localhost:8000", "vllm-server: base URL of the `vllm serve` process.")
     vllm_server_sync: str = opt(
         "auto",
-        "vllm-server weight sync after each update: `nccl` (full weights over vLLM's /update_weights route), `lora` "
-        "(adapter saved to vllm_adapter_dir and loaded via /v1/load_lora_adapter), `none`; `auto` = lora with LoRA, "
-        "else nccl.",
+        "vllm-server weight sync after each update: `path` (full weights written to vllm_weights_dir as safetensors, "
+        "reloaded in place by the server through its dev routes /pause, /collective_rpc reload_weights, /resume: "
+        "no NCCL, works on CPU servers), `nccl` (full weights broadcast over vLLM's /update_weights route: GPUs on "
+        "both ends), `lora` (adapter saved to vllm_adapter_dir and loaded via /v1/load_lora_adapter), `none`; "
+        "`auto` = lora with LoRA, else nccl where CUDA is available, else path.",
     )
+    vllm_weights_dir: str = opt(
+        "", "vllm-server with vllm_server_sync=path: directory the server can read where each update's full weights "
+        "are written (only the newest kept; default <output_dir>/vllm-weights; /dev/shm keeps them in RAM).")
     vllm_server_world_size: int = opt(
         1, "vllm-server: GPU workers of the server (TP x DP) when its GET /get_world_size does not answer; the "
         "NCCL group size normally comes from there.")
@@ -800,7 +805,7 @@ def validate(cfg: Config) -> None:
         (not cfg.rollout.tool_prompt or "{system}" in cfg.rollout.tool_prompt,
          "rollout.tool_prompt must contain {system} (where the task's system message goes)"),
         (cfg.rollout.max_context > cfg.rollout.max_new_tokens, "rollout.max_context must be > rollout.max_new_tokens"),
-        _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "nccl", "lora", "none")),
+        _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "path", "nccl", "lora", "none")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
         (cfg.rollout.vllm_kv_cache_gb >= 0, "rollout.vllm_kv_cache_gb must be >= 0"),
         (cfg.train.pad_to_multiple >= 1, "train.pad_to_multiple must be >= 1"),

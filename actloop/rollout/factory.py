@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed
 
 from actloop.config import Config, ConfigError
@@ -77,6 +78,10 @@ def adapter_dir(cfg: Config) -> Path:
     return Path(cfg.rollout.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters")
 
 
+def weights_dir(cfg: Config) -> Path:
+    return Path(cfg.rollout.vllm_weights_dir or Path(cfg.output_dir) / "vllm-weights")
+
+
 def make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = None) -> Any:
     """The engine `rollout.engine` names, with failing requests isolated (retried, then recorded
     per trajectory: `actloop.rollout.isolation`). `threads`: the HF engine's torch threads (default:
@@ -108,15 +113,16 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
 
         sync = r.vllm_server_sync
         if sync == "auto":
-            sync = "lora" if models.lora else "nccl"
+            sync = "lora" if models.lora else ("nccl" if torch.cuda.is_available() else "path")
         if sync == "lora" and not models.lora:
             raise ConfigError("rollout.vllm_server_sync=lora needs lora.enabled=true")
-        if sync == "nccl" and models.lora:
+        if sync in ("nccl", "path") and models.lora:
             raise ConfigError("with lora.enabled=true use rollout.vllm_server_sync=lora (or auto)")
         if sync == "nccl":  # the trainer joins the server's NCCL group with vLLM's communicator
             _need_vllm(f"{kind} with rollout.vllm_server_sync=nccl")
         return VLLMServerEngine(r.vllm_server_url, renderer.eos_token_ids, renderer.stop_strings, sync=sync,
-                                adapter_dir=adapter_dir(cfg), world_size=r.vllm_server_world_size,
+                                adapter_dir=adapter_dir(cfg), weights_dir=weights_dir(cfg),
+                                world_size=r.vllm_server_world_size,
                                 master_port=r.vllm_nccl_port, dtype=_vllm_dtype(cfg))
     if kind == "ray":
         from actloop.rollout.ray_engine import RayEngine

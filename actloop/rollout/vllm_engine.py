@@ -153,9 +153,44 @@ def full_weights(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
     LoRA-wrapped model is refused: its adapter goes through `save_adapter` instead."""
     if hasattr(model, "peft_config"):
         raise ValueError("a LoRA model syncs its adapter, not full weights")
-    for name, t in model.state_dict().items():
+    yield from cast_weights(model.state_dict().items(), dtype)
+
+
+def cast_weights(state: Iterable[tuple[str, Any]], dtype: Any = None) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor cast to `dtype`) for each (trainer name, tensor); a tensor met twice
+    (tied embeddings and head) only under its first name, which vLLM's loaders read (they skip a
+    tied head's name)."""
+    seen = set()
+    for name, t in state:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
         t = t.detach()
         yield vllm_weight_name(name), (t.to(dtype) if dtype is not None else t)
+
+
+def save_full_weights(weights: Iterable[tuple[str, Any]], root: str | Path, version: int, keep: int = 1) -> Path:
+    """Write (checkpoint name, tensor) pairs as <root>/v<version>/model.safetensors, the folder vLLM's
+    `reload_weights(weights_path=...)` reads, and delete all but the newest `keep` versions (tied
+    tensors come once, from `cast_weights`: safetensors refuses shared storage)."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    out, tmp = root / f"v{version}", root / f".v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in weights}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # a reader never sees half a file
+    _keep_newest(root, keep)
+    return out
+
+
+def _keep_newest(root: Path, keep: int) -> None:
+    for old in sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> Path:
@@ -164,8 +199,7 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
     root = Path(root)
     out = root / f"v{version}"
     model.save_pretrained(out)
-    for old in sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _keep_newest(root, keep)
     return out
 
 
@@ -676,25 +710,52 @@ class HTTPError(RuntimeError):
         self.status = status
 
 
+class StaleServerError(RuntimeError):
+    """The vLLM server does not hold the weights the trainer last sent (restarted, or updated by
+    someone else): sampling from it would be silent off-policy data. Fatal: `IsolatedEngine`
+    raises it instead of retrying or masking prompts."""
+
+    fatal = True
+
+
+SERVER_SYNCS = ("path", "nccl", "lora", "none")
+
+
 class VLLMServerEngine(EngineBase):
     """A separately started `vllm serve` (`rollout.engine=vllm-server`). Launch it with
     `--logprobs-mode processed_logprobs` (log-probs under the sampling temperature) and, for
-    full-weight sync, VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend": "nccl"}'`;
-    see docs/engines.md."""
+    full-weight sync, VLLM_SERVER_DEV_MODE=1 (and for `nccl` `--weight-transfer-config
+    '{"backend": "nccl"}'`); see docs/engines.md.
+
+    Full weights without NCCL (`sync="path"`, any device, vLLM's CPU build included): the trainer
+    writes the weights as <weights_dir>/v<N>/model.safetensors (a folder the server reads: /dev/shm
+    on the same machine, a shared filesystem across machines) and the server reloads them in place:
+    POST /pause?mode=wait (requests in flight finish on the old weights), POST /collective_rpc
+    `reload_weights(weights_path=...)` (vLLM's layerwise reload, the same post-load processing as
+    the colocated sync), POST /update_weight_version, /reset_prefix_cache, /resume.
+
+    The server's version is checked before every generation: with full weights its
+    GET /weight_info must answer the version string this engine set last (`<run token>-<N>`: a
+    restarted server answers none, another run's server another token); with LoRA the adapter last
+    loaded must be among GET /v1/models. A mismatch raises `StaleServerError`, never samples."""
 
     weights = "copy"
 
     def __init__(self, base_url: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  model: str | None = None, sync: str = "nccl", adapter_dir: str | Path | None = None,
+                 weights_dir: str | Path | None = None,
                  world_size: int = 1, master_address: str | None = None, master_port: int = 51216,
                  timeout_s: float = 600.0, dtype: str = "bfloat16",
                  broadcaster: Callable[[str, int, int], Callable[[Any], None]] = nccl_broadcaster):
-        if sync not in ("nccl", "lora", "none"):
-            raise ValueError(f"sync must be nccl, lora or none, got {sync!r}")
+        import uuid
+
+        if sync not in SERVER_SYNCS:
+            raise ValueError(f"sync must be one of {', '.join(SERVER_SYNCS)}, got {sync!r}")
         self.base_url = base_url.rstrip("/")
         self.eos_token_ids, self.stop_strings = tuple(eos_token_ids), tuple(stop_strings)
         self.sync, self.timeout_s, self.dtype = sync, timeout_s, dtype
         self.adapter_dir = Path(adapter_dir or "vllm-adapters")
+        self.weights_dir = Path(weights_dir or "vllm-weights")
         self.world_size, self.master_port = world_size, master_port
         self.master_address = master_address or rendezvous_address(self.base_url)
         self._broadcaster, self._send = broadcaster, None
@@ -702,6 +763,9 @@ class VLLMServerEngine(EngineBase):
         self.model = self.base_model  # the LoRA adapter's name once one is loaded
         self.version = 0
         self.generated_tokens = 0
+        self.token = uuid.uuid4().hex[:8]  # this engine's versions: `<token>-<N>`
+        # the version the server holds before any sync: its base weights, unless another run updated it
+        self._start_version = self._server_version() if sync != "none" else None
 
     # -- http
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -721,22 +785,63 @@ class VLLMServerEngine(EngineBase):
     def _get(self, path: str) -> Any:
         return self._request("GET", path)
 
-    def _post(self, path: str, body: dict[str, Any] | None = None, optional: bool = False) -> Any:
+    def _post(self, path: str, body: dict[str, Any] | None = None, optional: bool = False,
+              query: dict[str, str] | None = None) -> Any:
+        from urllib.parse import urlencode
+
         try:
-            return self._request("POST", path, body or {})
+            return self._request("POST", path + ("?" + urlencode(query) if query else ""), body or {})
         except HTTPError as e:
             if optional and e.status == 404:
                 return None  # a route this server version does not have
             raise
 
+    # -- versions
+    def version_string(self) -> str | None:
+        """What the server must answer once it holds this engine's latest weights (None before a sync)."""
+        return f"{self.token}-{self.version}" if self.version else None
+
+    def _server_version(self) -> str | None:
+        """GET /weight_info's `weight_version` (None where the server lacks the route: no dev mode)."""
+        try:
+            answer = self._get("/weight_info")
+        except HTTPError as e:
+            if e.status == 404:
+                return None
+            raise
+        return answer.get("weight_version") if isinstance(answer, dict) else None
+
+    def check_version(self) -> None:
+        """Raise `StaleServerError` unless the server holds the weights this engine sent last: its
+        full-weight version, or (LoRA) the latest adapter on the base it had when this run began."""
+        if self.sync == "none":
+            return
+        if self.sync == "lora" and self.model != self.base_model:
+            served = {m["id"] for m in self._get("/v1/models").get("data", [])}
+            if self.model not in served:
+                raise StaleServerError(f"vLLM server {self.base_url} does not serve the adapter {self.model} "
+                                       f"(it serves {sorted(served)}): restarted? Resume the run to re-send it.")
+        want = (self.version_string() if self.sync != "lora" else None) or self._start_version
+        held = self._server_version()
+        if held != want:
+            raise StaleServerError(f"vLLM server {self.base_url} holds weight version {held!r}, not this run's "
+                                   f"latest {want!r} (restarted, or updated by another trainer): sampling from it "
+                                   "would be off-policy. Resume the run to re-send the weights.")
+
     # -- engine
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self.check_version()
         body = completions_request(self.model, prompts, params, self.eos_token_ids, self.stop_strings)
         comps = parse_completions(self._post("/v1/completions", body), len(prompts), params.greedy)
         self.generated_tokens += sum(len(c.token_ids) for c in comps)
         return comps
 
     def sync_weights(self, model: Any) -> None:
+        if self.sync == "path":
+            import torch
+
+            self.load_weights(full_weights(model, getattr(torch, self.dtype)))
+            return
         self.version += 1
         if self.sync == "lora":
             path = save_adapter(model, self.adapter_dir, self.version)
@@ -762,7 +867,24 @@ class VLLMServerEngine(EngineBase):
             self._while_posting("/update_weights", {"update_info": weight_update_info(weights)},
                                 lambda: [send(t) for _, t in weights])
             self._post("/finish_weight_update", optional=True)
+            self._post("/update_weight_version", {"new_version": self.version_string()}, optional=True)
             self._post("/reset_prefix_cache", optional=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """(checkpoint name, tensor) pairs, every weight of the model, written to `weights_dir` and
+        reloaded in place by the server (`sync="path"`; torchrun's gathered shards come here too)."""
+        if self.sync != "path":
+            raise ValueError(f"load_weights needs sync='path' (this engine syncs by {self.sync})")
+        self.version += 1
+        path = save_full_weights(weights, self.weights_dir, self.version)
+        self._post("/pause", query={"mode": "wait"})  # requests in flight finish on the old weights
+        try:
+            self._post("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": str(path.resolve())}})
+            self._post("/update_weight_version", {"new_version": self.version_string()})
+            self._post("/reset_prefix_cache", optional=True)
+        finally:
+            self._post("/resume")
 
     def _server_world_size(self) -> int:
         """The server's worker count (TP x PP x DP) from GET /get_world_size (a wrong NCCL group
