@@ -218,7 +218,11 @@ class RayConfig:
     address: str = opt(
         "local", "Ray cluster for rollout.engine=ray: `local` starts one here, `auto` joins `ray start`'s, or ray://host:port."
     )
-    num_rollout_workers: int = opt(2, "Rollout actors, each with its own copy of the policy and an HF engine.")
+    num_rollout_workers: int = opt(2, "Rollout actors, each with its own engine and copy of the policy.")
+    worker_engine: str = opt(
+        "auto", "Engine inside each rollout actor: `vllm` (its own vLLM engine, set up by the rollout.vllm_* "
+        "options; full weights reloaded in place at each sync, LoRA as a new adapter), `hf`, or `auto` (as "
+        "rollout.engine=auto decides between vllm and hf).")
     num_sandbox_workers: int = opt(
         0, "Sandbox actors that run graded code for the code tasks (0 = code runs in this process's sandbox)."
     )
@@ -806,6 +810,7 @@ def validate(cfg: Config) -> None:
          "rollout.tool_prompt must contain {system} (where the task's system message goes)"),
         (cfg.rollout.max_context > cfg.rollout.max_new_tokens, "rollout.max_context must be > rollout.max_new_tokens"),
         _one_of("rollout.vllm_server_sync", cfg.rollout.vllm_server_sync, ("auto", "path", "nccl", "lora", "none")),
+        _one_of("ray.worker_engine", cfg.ray.worker_engine, ("auto", "hf", "vllm")),
         (0 < cfg.rollout.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
         (cfg.rollout.vllm_kv_cache_gb >= 0, "rollout.vllm_kv_cache_gb must be >= 0"),
         (cfg.train.pad_to_multiple >= 1, "train.pad_to_multiple must be >= 1"),

@@ -62,6 +62,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from actloop.models import resolve_model
 from actloop.rollout.engine import Completion, EngineBase, SamplingParams, EngineCall
 
 # --- pure translation ------------------------------------------------------------------------
@@ -203,6 +204,11 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
     return out
 
 
+def vllm_dtype(precision: str) -> str:
+    """The dtype vLLM samples in for `train.precision`: fp32 stays fp32, anything else is bf16."""
+    return "float32" if precision == "fp32" else "bfloat16"
+
+
 # --- colocated -----------------------------------------------------------------------------
 
 
@@ -281,6 +287,19 @@ class VLLMEngine(EngineBase):
     weights = "copy"
     continuous_batching = True
     own_thread = True
+
+    @classmethod
+    def from_config(cls, cfg: Any, renderer: Any, lora: bool, threads: int | None = None,
+                    adapter_dir: str | Path | None = None, **kw: Any) -> VLLMEngine:
+        """The engine `cfg.rollout`'s vllm_* options describe, for `cfg.model` (the trainer's
+        colocated engine, a Ray rollout actor's, a torchrun rank's); `kw` adds LLM options."""
+        r = cfg.rollout
+        return cls(resolve_model(cfg.model), renderer.eos_token_ids, renderer.stop_strings, threads=threads,
+                   kv_cache_gb=r.vllm_kv_cache_gb, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                   sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
+                   enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if lora else None,
+                   adapter_dir=adapter_dir or Path(r.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters"),
+                   dtype=vllm_dtype(cfg.train.precision), seed=cfg.seed, **kw)
 
     def __init__(self, model_path: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
