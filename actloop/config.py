@@ -847,8 +847,9 @@ def validate(cfg: Config) -> None:
          f"train.group_size={cfg.train.group_size} gives it nothing to compare (every advantage 0, no pair), "
          f"so nothing would train; use train.group_size >= {ALGORITHMS.get(cfg.algo, ALGORITHMS['grpo']).min_group}"),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
-        (not cfg.train.routing_replay or cfg.rollout.engine in ("auto", "hf", "ray"),
-         "train.routing_replay needs rollout.engine hf or ray (the engines that record MoE routing; auto picks hf)"),
+        (not cfg.train.routing_replay or cfg.rollout.engine in ("auto", "hf", "vllm", "ray"),
+         "train.routing_replay needs rollout.engine hf, vllm (where vLLM returns routed experts) or ray (the engines "
+         "that record MoE routing)"),
         (cfg.monitor.sample_every >= 0, "monitor.sample_every must be >= 0"),
         (cfg.monitor.window >= 1, "monitor.window must be >= 1"),
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),

@@ -13,6 +13,7 @@ turns the IS correction on for "copy") and `generated_tokens`. See docs/engines.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,10 @@ import torch.distributed
 from actloop.config import Config, ConfigError
 from actloop.rollout.engine import HFEngine
 from actloop.rollout.isolation import IsolatedEngine
+from actloop.rollout.vllm_engine import VLLMEngine, VLLMServerEngine, vllm_dtype, vllm_routing_support  # vLLM: when built
 
 ENGINES = ("auto", "hf", "vllm", "vllm-server", "ray")
-TORCHRUN_ENGINES = ("auto", "hf")  # what each rank may sample with under torchrun (vLLM per rank: issue "vLLM at scale")
+TORCHRUN_ENGINES = ("auto", "hf", "vllm")  # what each rank may sample with under torchrun
 # `rollout.engine=auto` picks this engine instead of vLLM when set (`hf`): e.g. a test suite or a
 # shared box where vLLM's start (15-55 s on a CPU) costs more than its faster decode saves
 AUTO_ENGINE_ENV = "ACTLOOP_AUTO_ENGINE"
@@ -78,10 +80,8 @@ def _auto(cfg: Config) -> tuple[str, str]:
         return forced, f"rollout.engine=auto and {AUTO_ENGINE_ENV}={forced}"
     if (why := vllm_available()):
         return "hf", f"rollout.engine=auto: {why}"
-    if _distributed():
-        return "hf", "rollout.engine=auto: under torchrun each rank samples with the hf engine (vLLM per rank: not yet)"
-    if cfg.train.routing_replay:
-        return "hf", "rollout.engine=auto: train.routing_replay needs the experts the hf engine records"
+    if cfg.train.routing_replay and (why := vllm_routing_support()):
+        return "hf", f"rollout.engine=auto: train.routing_replay needs each position's experts, and {why}"
     if is_gpt_oss(cfg.model):  # vLLM 0.32's in-place reload restores the old sinks and experts (docs/engines.md)
         return "hf", "rollout.engine=auto: vLLM's weight sync does not reach GPT-OSS's sinks and experts yet"
     return "vllm", "rollout.engine=auto: vLLM is installed"
@@ -106,12 +106,13 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
                         threads=threads, lean=r.lean_decode)
     if kind == "vllm":
         _need_vllm(kind)
-        from actloop.rollout.vllm_engine import VLLMEngine
-
+        if _distributed():  # a vLLM engine per rank, inside torchrun's process group (as TRL's colocate mode)
+            rank = torch.distributed.get_rank()
+            return VLLMEngine.from_config(dataclasses.replace(cfg, seed=cfg.seed + rank), renderer, lora=models.lora,
+                                          threads=threads, distributed_executor_backend="external_launcher",
+                                          tensor_parallel_size=1)
         return VLLMEngine.from_config(cfg, renderer, lora=models.lora, threads=threads)
     if kind == "vllm-server":
-        from actloop.rollout.vllm_engine import VLLMServerEngine, vllm_dtype
-
         sync = r.vllm_server_sync
         if sync == "auto":
             sync = "lora" if models.lora else ("nccl" if torch.cuda.is_available() else "path")

@@ -40,7 +40,7 @@ from actloop.rollout.engine import Completion, EngineBase, HFEngine, SamplingPar
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.isolation import describe
 from actloop.rollout.renderer import Renderer
-from actloop.rollout.vllm_engine import VLLMEngine, cast_weights, vllm_dtype  # imports vLLM only when built
+from actloop.rollout.vllm_engine import VLLMEngine  # imports vLLM only when built
 from actloop.sandbox.ray_pool import RaySandbox, ray_module
 from actloop.tasks import build_task
 from actloop.types import Trajectory
@@ -116,7 +116,7 @@ class RolloutWorker:
         policy, then refresh the engine's copy (vLLM, full weights: straight into its in-place
         reload). Returns how many tensors were loaded."""
         if self.models is None:
-            self.engine.load_weights(cast_weights(state.items(), getattr(torch, vllm_dtype(self.cfg.train.precision))))
+            self.engine.load_weights(state.items())
             return len(state)
         missing, unexpected = self.models.policy.load_state_dict(state, strict=False)
         if unexpected:

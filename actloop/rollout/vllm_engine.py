@@ -116,10 +116,22 @@ def vllm_max_lora_rank(r: int) -> int:
     raise ValueError(f"LoRA rank {r} is above vLLM's largest max_lora_rank ({_LORA_RANKS[-1]})")
 
 
-def completion_from_vllm(output: Any, greedy: bool = False) -> Completion:
+def completion_from_vllm(output: Any, greedy: bool = False, prompt_len: int | None = None) -> Completion:
     """One `vllm.CompletionOutput` -> Completion. `output.logprobs` holds, per position, a
-    mapping token id -> Logprob (or a float); the sampled token's entry is the one we keep."""
+    mapping token id -> Logprob (or a float); the sampled token's entry is the one we keep.
+    `output.routed_experts` (an engine started with `enable_return_routed_experts`), [positions,
+    MoE layers, k], becomes the Completion's routing of the prompt_len + len(ids) - 1 input
+    positions (the last sampled token is never an input), as HFEngine records it."""
     ids = tuple(int(t) for t in output.token_ids)
+    routing = None
+    if getattr(output, "routed_experts", None) is not None and prompt_len is not None:
+        import torch
+
+        n = prompt_len + len(ids) - 1
+        experts = torch.as_tensor(output.routed_experts)  # [>= n, layers, k]
+        if experts.shape[0] < n:
+            raise ValueError(f"vLLM returned the experts of {experts.shape[0]} positions for {n} inputs")
+        routing = experts[:n].long()
     if greedy:
         lps = (0.0,) * len(ids)  # as HFEngine: a greedy choice is certain under its own rule
     else:
@@ -128,7 +140,22 @@ def completion_from_vllm(output: Any, greedy: bool = False) -> Completion:
         if len(output.logprobs) != len(ids):
             raise ValueError(f"vLLM returned {len(output.logprobs)} log-probs for {len(ids)} tokens")
         lps = tuple(_logprob_of(output.logprobs[i], t) for i, t in enumerate(ids))
-    return Completion(ids, lps, finish_reason(output.finish_reason, getattr(output, "stop_reason", None)))
+    return Completion(ids, lps, finish_reason(output.finish_reason, getattr(output, "stop_reason", None)),
+                      routing=routing)
+
+
+def vllm_routing_support() -> str:
+    """"" where this vLLM returns the experts each position was routed to (routing replay on the
+    vLLM engine), else why not. vLLM 0.32 returns them (`enable_return_routed_experts`) only from
+    its V2 model runner, which needs Triton: GPU builds, not the x86 CPU build."""
+    if vllm_platform() == "cpu":
+        return ("vLLM's CPU build cannot return routed experts: vLLM 0.32 returns them only from its V2 model "
+                "runner (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton")
+    try:
+        from vllm.config.aux_output import AuxOutputConfig  # noqa: F401
+    except ImportError:
+        return "this vLLM has no enable_return_routed_experts (vLLM 0.32+ on a GPU has)"
+    return ""
 
 
 def _logprob_of(position: Any, token: int) -> float:
@@ -299,13 +326,14 @@ class VLLMEngine(EngineBase):
                    sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
                    enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if lora else None,
                    adapter_dir=adapter_dir or Path(r.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters"),
-                   dtype=vllm_dtype(cfg.train.precision), seed=cfg.seed, **kw)
+                   dtype=vllm_dtype(cfg.train.precision), seed=cfg.seed, routing=cfg.train.routing_replay, **kw)
 
     def __init__(self, model_path: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
                  sleep: bool = True, max_model_len: int = 4096, prefix_caching: bool = True,
                  enforce_eager: bool = False, lora_rank: int | None = None, adapter_dir: str | Path | None = None,
-                 dtype: str = "bfloat16", seed: int = 0, llm: Any = None):
+                 dtype: str = "bfloat16", seed: int = 0, routing: bool = False, llm: Any = None,
+                 **llm_kwargs: Any):
         import torch
 
         self.eos_token_ids = tuple(eos_token_ids)
@@ -331,11 +359,16 @@ class VLLMEngine(EngineBase):
             kwargs: dict[str, Any] = dict(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                                           max_model_len=max_model_len, dtype=dtype, seed=seed,
                                           logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
-                                          enforce_eager=enforce_eager)
+                                          enforce_eager=enforce_eager, **llm_kwargs)
             if kv_cache_gb > 0:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
             if self.lora:
                 kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
+            if routing:  # routing replay: the experts of every position come back with the completion
+                if why := vllm_routing_support():
+                    raise ValueError(f"train.routing_replay on the vllm engine: {why}; use rollout.engine=hf")
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # 0.32: the only runner that returns them
+                kwargs["enable_return_routed_experts"] = True
             self._build = kwargs
         self.llm = llm
         self._start()  # the compute thread builds the LLM (its threads are the ones vLLM computes with)
@@ -410,7 +443,7 @@ class VLLMEngine(EngineBase):
                     if out.finished and out.request_id in running:
                         fut, greedy = running.pop(out.request_id)
                         try:
-                            comp = completion_from_vllm(out.outputs[0], greedy)
+                            comp = completion_from_vllm(out.outputs[0], greedy, len(out.prompt_token_ids or ()))
                             self.generated_tokens += len(comp.token_ids)
                             fut.set_result(comp)
                         except Exception as e:
@@ -550,13 +583,14 @@ class VLLMEngine(EngineBase):
             path = save_adapter(model, self.adapter_dir, self.version)
             self._lora_request = LoRARequest(f"actloop-v{self.version}", self.version, str(path))
             return
-        import torch
-
-        self.load_weights(full_weights(model, getattr(torch, self.dtype)))
+        self.load_weights(full_weights(model))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """(checkpoint name, tensor) pairs, every weight of the model, loaded in place on the compute thread."""
-        self.run(self._load, weights)
+        """(name, tensor) pairs, every weight of the model (the trainer's state dict, or FSDP shards
+        gathered under torchrun), cast to the engine's dtype and loaded in place on the compute thread."""
+        import torch
+
+        self.run(self._load, cast_weights(weights, getattr(torch, self.dtype)))
 
     def _load(self, weights: Iterable[tuple[str, Any]]) -> None:
         if getattr(self.llm.llm_engine, "model_executor", None) is None:
@@ -857,9 +891,7 @@ class VLLMServerEngine(EngineBase):
 
     def sync_weights(self, model: Any) -> None:
         if self.sync == "path":
-            import torch
-
-            self.load_weights(full_weights(model, getattr(torch, self.dtype)))
+            self.load_weights(full_weights(model))
             return
         self.version += 1
         if self.sync == "lora":
@@ -892,10 +924,12 @@ class VLLMServerEngine(EngineBase):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """(checkpoint name, tensor) pairs, every weight of the model, written to `weights_dir` and
         reloaded in place by the server (`sync="path"`; torchrun's gathered shards come here too)."""
+        import torch
+
         if self.sync != "path":
             raise ValueError(f"load_weights needs sync='path' (this engine syncs by {self.sync})")
         self.version += 1
-        path = save_full_weights(weights, self.weights_dir, self.version)
+        path = save_full_weights(cast_weights(weights, getattr(torch, self.dtype)), self.weights_dir, self.version)
         self._post("/pause", query={"mode": "wait"})  # requests in flight finish on the old weights
         try:
             self._post("/collective_rpc", {"method": "reload_weights",

@@ -96,6 +96,35 @@ def test_completion_from_vllm_takes_the_sampled_tokens_logprob():
         completion_from_vllm(SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="stop"))
 
 
+def test_vllm_routed_experts_become_the_routing_of_every_input_position():
+    import numpy as np
+
+    experts = np.arange(6 * 2 * 2).reshape(6, 2, 2)  # 6 positions (prompt 4 + 2 sampled), 2 MoE layers, top-2
+    out = SimpleNamespace(token_ids=[7, 8], logprobs=[{7: -0.1}, {8: -0.2}], finish_reason="stop", stop_reason=None,
+                          routed_experts=experts)
+    comp = completion_from_vllm(out, prompt_len=4)
+    assert comp.routing.shape == (5, 2, 2) and comp.routing.dtype == torch.long  # the last sampled id is no input
+    assert torch.equal(comp.routing, torch.as_tensor(experts[:5]))
+    with pytest.raises(ValueError, match="experts of 6 positions for 9 inputs"):
+        completion_from_vllm(out, prompt_len=8)
+    assert completion_from_vllm(_out([7], [-0.1]), prompt_len=4).routing is None
+
+
+def test_routing_replay_on_vllms_cpu_build_is_refused_at_start_with_the_reason(monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import actloop.rollout.vllm_engine as ve
+    from actloop.rollout.factory import resolve_engine
+
+    if ve.vllm_platform() != "cpu":
+        pytest.skip("vLLM's GPU build returns routed experts")
+    assert "V2 model runner" in ve.vllm_routing_support()
+    monkeypatch.delenv("ACTLOOP_AUTO_ENGINE", raising=False)
+    kind, why = resolve_engine(load_config(None, ["train.routing_replay=true"]))
+    assert kind == "hf" and "cannot return routed experts" in why
+    with pytest.raises(ValueError, match="routing_replay on the vllm engine: vLLM's CPU build"):
+        VLLMEngine("unused", (2,), routing=True)
+
+
 class _Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()
