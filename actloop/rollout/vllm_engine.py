@@ -1,4 +1,5 @@
-"""vLLM engines for GPUs: `VLLMEngine` (colocated with the trainer, in this process) and
+"""vLLM engines: `VLLMEngine` (colocated with the trainer, in this process: alone, on every torchrun
+rank, or in a Ray rollout actor) and
 `VLLMServerEngine` (a `vllm serve` process started separately, spoken to over HTTP).
 
 Both keep the `Engine` contract of `actloop.rollout.engine`: token ids in, sampled token ids and
@@ -37,6 +38,9 @@ Weight sync:
   with the names, dtypes and shapes while the trainer broadcasts the tensors in that order
   (/start_weight_update and /finish_weight_update are called where the server has them; vLLM
   0.33 requires them). These routes exist only with VLLM_SERVER_DEV_MODE=1 on the server.
+- server, full weights without NCCL (`sync="path"`, CPU servers too): a safetensors folder the
+  server reloads in place through its dev routes (/pause, /collective_rpc reload_weights,
+  /update_weight_version, /resume); the server's version is checked before every generation.
 - server, LoRA: the adapter is saved where the server can read it and loaded with POST
   /v1/load_lora_adapter (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server); the
   previous version is unloaded.
