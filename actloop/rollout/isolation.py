@@ -12,7 +12,9 @@
 A prompt that still fails gets a `Completion` with `error` set and no tokens; the episode runner
 ends that episode with the error, the trainer masks the trajectory and `failures.jsonl` records it
 (kind `engine`). A step keeps going with the rest; the run stops only through the failure-rate
-guard (`failures.max_rate`, `failures.max_bad_steps`). Everything else (`sync_weights`, `sleep`,
+guard (`failures.max_rate`, `failures.max_bad_steps`). An error marked `fatal` (a vLLM server that
+no longer holds the trainer's weights) is raised as it is: no retry mends it and no prompt caused it.
+Everything else (`sync_weights`, `sleep`,
 `generated_tokens`, `model`, ...) passes straight through to the wrapped engine.
 """
 
@@ -72,7 +74,9 @@ class IsolatedEngine:
         for attempt in range(self.retries + 1):
             try:
                 return self.inner.generate(prompts, params)
-            except Exception as e:  # noqa: BLE001 - every failure is isolated, none ends the run
+            except Exception as e:  # noqa: BLE001 - every failure is isolated, none ends the run ...
+                if getattr(e, "fatal", False):
+                    raise  # ... but one that no retry can mend and no prompt caused (a stale vLLM server)
                 error = e
                 self.failed_requests += 1
                 if kind_of(e) != "transient" or attempt == self.retries:

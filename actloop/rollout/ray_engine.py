@@ -1,9 +1,10 @@
-"""Rollouts on Ray actors (`rollout.engine=ray`): `RolloutWorker` actors each hold a copy of the
-policy, an HF engine, a renderer and the task's environment factory; `RayEngine` is the
+"""Rollouts on Ray actors (`rollout.engine=ray`): `RolloutWorker` actors each hold an engine (their
+own vLLM engine, or a copy of the policy and an HF engine: `ray.worker_engine`), a renderer and
+the task's environment factory; `RayEngine` is the
 driver-side object, an `Engine` like the others, so the training loop is the same loop.
 
     driver (trainer, envs, rewards)                 Ray actors (any node)
-    run_episodes ── generate(prompts) ──shard──►  RolloutWorker.generate ─► HFEngine
+    run_episodes ── generate(prompts) ──shard──►  RolloutWorker.generate ─► VLLMEngine or HFEngine
                  ◄─ completions, in order ◄─────
     update ──── sync_weights: ray.put(state dict) once ──► every RolloutWorker.load_weights
 
@@ -24,6 +25,7 @@ trajectory) and, in `run_episodes`, comes back as trajectories with `error` set 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -33,11 +35,12 @@ import torch
 
 import actloop.rewards.code as code_rewards
 from actloop.config import Config, RayConfig
-from actloop.models import load_models
+from actloop.models import load_models, load_tokenizer, resolve_model
 from actloop.rollout.engine import Completion, EngineBase, HFEngine, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.isolation import describe
 from actloop.rollout.renderer import Renderer
+from actloop.rollout.vllm_engine import VLLMEngine  # imports vLLM only when built
 from actloop.sandbox.ray_pool import RaySandbox, ray_module
 from actloop.tasks import build_task
 from actloop.types import Trajectory
@@ -73,19 +76,33 @@ def init_ray(rc: RayConfig) -> bool:
 
 
 class RolloutWorker:
-    """One rollout actor's state (wrapped with `ray.remote` by `RayEngine`; plain Python here)."""
+    """One rollout actor's state (wrapped with `ray.remote` by `RayEngine`; plain Python here).
 
-    def __init__(self, cfg: Config, index: int, threads: int = 1, device: str = "cpu"):
+    `engine="hf"`: a copy of the policy and an HFEngine. `engine="vllm"`: a VLLMEngine of its own
+    (in this actor's process, its engine core in-process); the actor holds no policy of its own for
+    full weights (the broadcast state dict goes straight into vLLM's in-place reload), only the
+    peft model whose adapter it saves with LoRA."""
+
+    def __init__(self, cfg: Config, index: int, threads: int = 1, device: str = "cpu", engine: str = "hf"):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed + 1000 * (index + 1))  # workers must not draw the same samples
-        self.cfg = cfg
-        self.models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
-        self.models.policy.to(device)
-        self.renderer = Renderer.from_config(self.models.tokenizer, cfg)
-        self.engine = HFEngine(self.models.policy, self.models.tokenizer, self.renderer.eos_token_ids,
-                               self.renderer.stop_strings, precision=cfg.train.precision,
-                               weights="copy")  # LoRA: merged into the bf16 copy at each sync
+        self.cfg, self.kind = cfg, engine
+        self.models = None
+        if engine == "hf" or cfg.lora.enabled:
+            self.models = load_models(cfg.model, lora=cfg.lora, need_reference=False)
+            self.models.policy.to(device)
+        tokenizer = self.models.tokenizer if self.models else load_tokenizer(resolve_model(cfg.model))
+        self.renderer = Renderer.from_config(tokenizer, cfg)
+        if engine == "vllm":
+            # a seed per actor (vLLM's sampling draws from it), adapters in a folder per actor
+            cfg = dataclasses.replace(cfg, seed=cfg.seed + 1000 * (index + 1))
+            self.engine = VLLMEngine.from_config(cfg, self.renderer, lora=cfg.lora.enabled, threads=threads,
+                                                 adapter_dir=_adapter_dir(cfg, index))
+        else:
+            self.engine = HFEngine(self.models.policy, tokenizer, self.renderer.eos_token_ids,
+                                   self.renderer.stop_strings, precision=cfg.train.precision,
+                                   weights="copy")  # LoRA: merged into the bf16 copy at each sync
         self._task = None
 
     def ready(self) -> dict[str, Any]:
@@ -96,7 +113,11 @@ class RolloutWorker:
 
     def load_weights(self, state: dict[str, Any]) -> int:
         """Load the broadcast state dict (the whole model, or a LoRA adapter's tensors) into the
-        policy, then refresh the engine's copy. Returns how many tensors were loaded."""
+        policy, then refresh the engine's copy (vLLM, full weights: straight into its in-place
+        reload). Returns how many tensors were loaded."""
+        if self.models is None:
+            self.engine.load_weights(state.items())
+            return len(state)
         missing, unexpected = self.models.policy.load_state_dict(state, strict=False)
         if unexpected:
             raise ValueError(f"weights the worker's model does not have: {unexpected[:5]}")
@@ -131,7 +152,8 @@ class RayEngine(EngineBase):
         self._weights = None  # the object ref of the last sync, loaded into replacement actors
 
     @classmethod
-    def from_config(cls, cfg: Config) -> RayEngine:
+    def from_config(cls, cfg: Config, engine: str = "hf") -> RayEngine:
+        """`engine`: what each actor samples with, `hf` or `vllm` (the factory resolves `ray.worker_engine`)."""
         ray = ray_module()
         rc = cfg.ray
         init_ray(rc)
@@ -139,7 +161,7 @@ class RayEngine(EngineBase):
         device = "cuda" if rc.gpus_per_worker > 0 else "cpu"
         actor = ray.remote(RolloutWorker).options(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker)
         def spawn(i: int) -> Any:
-            return actor.remote(cfg, i, threads, device)
+            return actor.remote(cfg, i, threads, device, engine)
 
         workers = [spawn(i) for i in range(rc.num_rollout_workers)]
         ray.get([w.ready.remote() for w in workers])  # fail here, not in the first step
@@ -230,6 +252,12 @@ class RayEngine(EngineBase):
         self.workers = []
         if self.sandbox is not None:
             self.sandbox.close()
+
+
+def _adapter_dir(cfg: Config, index: int) -> Path:
+    """Where rollout actor `index` saves its LoRA adapters for its vLLM engine (one folder each: the
+    actors of one machine must not overwrite each other's versions)."""
+    return Path(cfg.rollout.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters") / f"ray-worker-{index}"
 
 
 def use_as_default(sandbox) -> None:

@@ -1,4 +1,5 @@
-"""vLLM engines for GPUs: `VLLMEngine` (colocated with the trainer, in this process) and
+"""vLLM engines: `VLLMEngine` (colocated with the trainer, in this process: alone, on every torchrun
+rank, or in a Ray rollout actor) and
 `VLLMServerEngine` (a `vllm serve` process started separately, spoken to over HTTP).
 
 Both keep the `Engine` contract of `actloop.rollout.engine`: token ids in, sampled token ids and
@@ -37,6 +38,9 @@ Weight sync:
   with the names, dtypes and shapes while the trainer broadcasts the tensors in that order
   (/start_weight_update and /finish_weight_update are called where the server has them; vLLM
   0.33 requires them). These routes exist only with VLLM_SERVER_DEV_MODE=1 on the server.
+- server, full weights without NCCL (`sync="path"`, CPU servers too): a safetensors folder the
+  server reloads in place through its dev routes (/pause, /collective_rpc reload_weights,
+  /update_weight_version, /resume); the server's version is checked before every generation.
 - server, LoRA: the adapter is saved where the server can read it and loaded with POST
   /v1/load_lora_adapter (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server); the
   previous version is unloaded.
@@ -62,6 +66,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from actloop.models import resolve_model
 from actloop.rollout.engine import Completion, EngineBase, SamplingParams, EngineCall
 
 # --- pure translation ------------------------------------------------------------------------
@@ -115,10 +120,22 @@ def vllm_max_lora_rank(r: int) -> int:
     raise ValueError(f"LoRA rank {r} is above vLLM's largest max_lora_rank ({_LORA_RANKS[-1]})")
 
 
-def completion_from_vllm(output: Any, greedy: bool = False) -> Completion:
+def completion_from_vllm(output: Any, greedy: bool = False, prompt_len: int | None = None) -> Completion:
     """One `vllm.CompletionOutput` -> Completion. `output.logprobs` holds, per position, a
-    mapping token id -> Logprob (or a float); the sampled token's entry is the one we keep."""
+    mapping token id -> Logprob (or a float); the sampled token's entry is the one we keep.
+    `output.routed_experts` (an engine started with `enable_return_routed_experts`), [positions,
+    MoE layers, k], becomes the Completion's routing of the prompt_len + len(ids) - 1 input
+    positions (the last sampled token is never an input), as HFEngine records it."""
     ids = tuple(int(t) for t in output.token_ids)
+    routing = None
+    if getattr(output, "routed_experts", None) is not None and prompt_len is not None:
+        import torch
+
+        n = prompt_len + len(ids) - 1
+        experts = torch.as_tensor(output.routed_experts)  # [>= n, layers, k]
+        if experts.shape[0] < n:
+            raise ValueError(f"vLLM returned the experts of {experts.shape[0]} positions for {n} inputs")
+        routing = experts[:n].long()
     if greedy:
         lps = (0.0,) * len(ids)  # as HFEngine: a greedy choice is certain under its own rule
     else:
@@ -127,7 +144,22 @@ def completion_from_vllm(output: Any, greedy: bool = False) -> Completion:
         if len(output.logprobs) != len(ids):
             raise ValueError(f"vLLM returned {len(output.logprobs)} log-probs for {len(ids)} tokens")
         lps = tuple(_logprob_of(output.logprobs[i], t) for i, t in enumerate(ids))
-    return Completion(ids, lps, finish_reason(output.finish_reason, getattr(output, "stop_reason", None)))
+    return Completion(ids, lps, finish_reason(output.finish_reason, getattr(output, "stop_reason", None)),
+                      routing=routing)
+
+
+def vllm_routing_support() -> str:
+    """"" where this vLLM returns the experts each position was routed to (routing replay on the
+    vLLM engine), else why not. vLLM 0.32 returns them (`enable_return_routed_experts`) only from
+    its V2 model runner, which needs Triton: GPU builds, not the x86 CPU build."""
+    if vllm_platform() == "cpu":
+        return ("vLLM's CPU build cannot return routed experts: vLLM 0.32 returns them only from its V2 model "
+                "runner (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton")
+    try:
+        from vllm.config.aux_output import AuxOutputConfig  # noqa: F401
+    except ImportError:
+        return "this vLLM has no enable_return_routed_experts (vLLM 0.32+ on a GPU has)"
+    return ""
 
 
 def _logprob_of(position: Any, token: int) -> float:
@@ -153,9 +185,44 @@ def full_weights(model: Any, dtype: Any = None) -> Iterator[tuple[str, Any]]:
     LoRA-wrapped model is refused: its adapter goes through `save_adapter` instead."""
     if hasattr(model, "peft_config"):
         raise ValueError("a LoRA model syncs its adapter, not full weights")
-    for name, t in model.state_dict().items():
+    yield from cast_weights(model.state_dict().items(), dtype)
+
+
+def cast_weights(state: Iterable[tuple[str, Any]], dtype: Any = None) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor cast to `dtype`) for each (trainer name, tensor); a tensor met twice
+    (tied embeddings and head) only under its first name, which vLLM's loaders read (they skip a
+    tied head's name)."""
+    seen = set()
+    for name, t in state:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
         t = t.detach()
         yield vllm_weight_name(name), (t.to(dtype) if dtype is not None else t)
+
+
+def save_full_weights(weights: Iterable[tuple[str, Any]], root: str | Path, version: int, keep: int = 1) -> Path:
+    """Write (checkpoint name, tensor) pairs as <root>/v<version>/model.safetensors, the folder vLLM's
+    `reload_weights(weights_path=...)` reads, and delete all but the newest `keep` versions (tied
+    tensors come once, from `cast_weights`: safetensors refuses shared storage)."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    out, tmp = root / f"v{version}", root / f".v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in weights}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # a reader never sees half a file
+    _keep_newest(root, keep)
+    return out
+
+
+def _keep_newest(root: Path, keep: int) -> None:
+    for old in sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> Path:
@@ -164,9 +231,13 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
     root = Path(root)
     out = root / f"v{version}"
     model.save_pretrained(out)
-    for old in sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _keep_newest(root, keep)
     return out
+
+
+def vllm_dtype(precision: str) -> str:
+    """The dtype vLLM samples in for `train.precision`: fp32 stays fp32, anything else is bf16."""
+    return "float32" if precision == "fp32" else "bfloat16"
 
 
 # --- colocated -----------------------------------------------------------------------------
@@ -248,11 +319,25 @@ class VLLMEngine(EngineBase):
     continuous_batching = True
     own_thread = True
 
+    @classmethod
+    def from_config(cls, cfg: Any, renderer: Any, lora: bool, threads: int | None = None,
+                    adapter_dir: str | Path | None = None, **kw: Any) -> VLLMEngine:
+        """The engine `cfg.rollout`'s vllm_* options describe, for `cfg.model` (the trainer's
+        colocated engine, a Ray rollout actor's, a torchrun rank's); `kw` adds LLM options."""
+        r = cfg.rollout
+        return cls(resolve_model(cfg.model), renderer.eos_token_ids, renderer.stop_strings, threads=threads,
+                   kv_cache_gb=r.vllm_kv_cache_gb, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                   sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
+                   enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if lora else None,
+                   adapter_dir=adapter_dir or Path(r.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters"),
+                   dtype=vllm_dtype(cfg.train.precision), seed=cfg.seed, routing=cfg.train.routing_replay, **kw)
+
     def __init__(self, model_path: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
                  sleep: bool = True, max_model_len: int = 4096, prefix_caching: bool = True,
                  enforce_eager: bool = False, lora_rank: int | None = None, adapter_dir: str | Path | None = None,
-                 dtype: str = "bfloat16", seed: int = 0, llm: Any = None):
+                 dtype: str = "bfloat16", seed: int = 0, routing: bool = False, llm: Any = None,
+                 **llm_kwargs: Any):
         import torch
 
         self.eos_token_ids = tuple(eos_token_ids)
@@ -278,11 +363,16 @@ class VLLMEngine(EngineBase):
             kwargs: dict[str, Any] = dict(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                                           max_model_len=max_model_len, dtype=dtype, seed=seed,
                                           logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching,
-                                          enforce_eager=enforce_eager)
+                                          enforce_eager=enforce_eager, **llm_kwargs)
             if kv_cache_gb > 0:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
             if self.lora:
                 kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
+            if routing:  # routing replay: the experts of every position come back with the completion
+                if why := vllm_routing_support():
+                    raise ValueError(f"train.routing_replay on the vllm engine: {why}; use rollout.engine=hf")
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # 0.32: the only runner that returns them
+                kwargs["enable_return_routed_experts"] = True
             self._build = kwargs
         self.llm = llm
         self._start()  # the compute thread builds the LLM (its threads are the ones vLLM computes with)
@@ -357,7 +447,7 @@ class VLLMEngine(EngineBase):
                     if out.finished and out.request_id in running:
                         fut, greedy = running.pop(out.request_id)
                         try:
-                            comp = completion_from_vllm(out.outputs[0], greedy)
+                            comp = completion_from_vllm(out.outputs[0], greedy, len(out.prompt_token_ids or ()))
                             self.generated_tokens += len(comp.token_ids)
                             fut.set_result(comp)
                         except Exception as e:
@@ -497,13 +587,14 @@ class VLLMEngine(EngineBase):
             path = save_adapter(model, self.adapter_dir, self.version)
             self._lora_request = LoRARequest(f"actloop-v{self.version}", self.version, str(path))
             return
-        import torch
-
-        self.load_weights(full_weights(model, getattr(torch, self.dtype)))
+        self.load_weights(full_weights(model))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """(checkpoint name, tensor) pairs, every weight of the model, loaded in place on the compute thread."""
-        self.run(self._load, weights)
+        """(name, tensor) pairs, every weight of the model (the trainer's state dict, or FSDP shards
+        gathered under torchrun), cast to the engine's dtype and loaded in place on the compute thread."""
+        import torch
+
+        self.run(self._load, cast_weights(weights, getattr(torch, self.dtype)))
 
     def _load(self, weights: Iterable[tuple[str, Any]]) -> None:
         if getattr(self.llm.llm_engine, "model_executor", None) is None:
@@ -676,25 +767,52 @@ class HTTPError(RuntimeError):
         self.status = status
 
 
+class StaleServerError(RuntimeError):
+    """The vLLM server does not hold the weights the trainer last sent (restarted, or updated by
+    someone else): sampling from it would be silent off-policy data. Fatal: `IsolatedEngine`
+    raises it instead of retrying or masking prompts."""
+
+    fatal = True
+
+
+SERVER_SYNCS = ("path", "nccl", "lora", "none")
+
+
 class VLLMServerEngine(EngineBase):
     """A separately started `vllm serve` (`rollout.engine=vllm-server`). Launch it with
     `--logprobs-mode processed_logprobs` (log-probs under the sampling temperature) and, for
-    full-weight sync, VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend": "nccl"}'`;
-    see docs/engines.md."""
+    full-weight sync, VLLM_SERVER_DEV_MODE=1 (and for `nccl` `--weight-transfer-config
+    '{"backend": "nccl"}'`); see docs/engines.md.
+
+    Full weights without NCCL (`sync="path"`, any device, vLLM's CPU build included): the trainer
+    writes the weights as <weights_dir>/v<N>/model.safetensors (a folder the server reads: /dev/shm
+    on the same machine, a shared filesystem across machines) and the server reloads them in place:
+    POST /pause?mode=wait (requests in flight finish on the old weights), POST /collective_rpc
+    `reload_weights(weights_path=...)` (vLLM's layerwise reload, the same post-load processing as
+    the colocated sync), POST /update_weight_version, /reset_prefix_cache, /resume.
+
+    The server's version is checked before every generation: with full weights its
+    GET /weight_info must answer the version string this engine set last (`<run token>-<N>`: a
+    restarted server answers none, another run's server another token); with LoRA the adapter last
+    loaded must be among GET /v1/models. A mismatch raises `StaleServerError`, never samples."""
 
     weights = "copy"
 
     def __init__(self, base_url: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  model: str | None = None, sync: str = "nccl", adapter_dir: str | Path | None = None,
+                 weights_dir: str | Path | None = None,
                  world_size: int = 1, master_address: str | None = None, master_port: int = 51216,
                  timeout_s: float = 600.0, dtype: str = "bfloat16",
                  broadcaster: Callable[[str, int, int], Callable[[Any], None]] = nccl_broadcaster):
-        if sync not in ("nccl", "lora", "none"):
-            raise ValueError(f"sync must be nccl, lora or none, got {sync!r}")
+        import uuid
+
+        if sync not in SERVER_SYNCS:
+            raise ValueError(f"sync must be one of {', '.join(SERVER_SYNCS)}, got {sync!r}")
         self.base_url = base_url.rstrip("/")
         self.eos_token_ids, self.stop_strings = tuple(eos_token_ids), tuple(stop_strings)
         self.sync, self.timeout_s, self.dtype = sync, timeout_s, dtype
         self.adapter_dir = Path(adapter_dir or "vllm-adapters")
+        self.weights_dir = Path(weights_dir or "vllm-weights")
         self.world_size, self.master_port = world_size, master_port
         self.master_address = master_address or rendezvous_address(self.base_url)
         self._broadcaster, self._send = broadcaster, None
@@ -702,6 +820,9 @@ class VLLMServerEngine(EngineBase):
         self.model = self.base_model  # the LoRA adapter's name once one is loaded
         self.version = 0
         self.generated_tokens = 0
+        self.token = uuid.uuid4().hex[:8]  # this engine's versions: `<token>-<N>`
+        # the version the server holds before any sync: its base weights, unless another run updated it
+        self._start_version = self._server_version() if sync != "none" else None
 
     # -- http
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -721,22 +842,61 @@ class VLLMServerEngine(EngineBase):
     def _get(self, path: str) -> Any:
         return self._request("GET", path)
 
-    def _post(self, path: str, body: dict[str, Any] | None = None, optional: bool = False) -> Any:
+    def _post(self, path: str, body: dict[str, Any] | None = None, optional: bool = False,
+              query: dict[str, str] | None = None) -> Any:
+        from urllib.parse import urlencode
+
         try:
-            return self._request("POST", path, body or {})
+            return self._request("POST", path + ("?" + urlencode(query) if query else ""), body or {})
         except HTTPError as e:
             if optional and e.status == 404:
                 return None  # a route this server version does not have
             raise
 
+    # -- versions
+    def version_string(self) -> str | None:
+        """What the server must answer once it holds this engine's latest weights (None before a sync)."""
+        return f"{self.token}-{self.version}" if self.version else None
+
+    def _server_version(self) -> str | None:
+        """GET /weight_info's `weight_version` (None where the server lacks the route: no dev mode)."""
+        try:
+            answer = self._get("/weight_info")
+        except HTTPError as e:
+            if e.status == 404:
+                return None
+            raise
+        return answer.get("weight_version") if isinstance(answer, dict) else None
+
+    def check_version(self) -> None:
+        """Raise `StaleServerError` unless the server holds the weights this engine sent last: its
+        full-weight version, or (LoRA) the latest adapter on the base it had when this run began."""
+        if self.sync == "none":
+            return
+        if self.sync == "lora" and self.model != self.base_model:
+            served = {m["id"] for m in self._get("/v1/models").get("data", [])}
+            if self.model not in served:
+                raise StaleServerError(f"vLLM server {self.base_url} does not serve the adapter {self.model} "
+                                       f"(it serves {sorted(served)}): restarted? Resume the run to re-send it.")
+        want = (self.version_string() if self.sync != "lora" else None) or self._start_version
+        held = self._server_version()
+        if held != want:
+            raise StaleServerError(f"vLLM server {self.base_url} holds weight version {held!r}, not this run's "
+                                   f"latest {want!r} (restarted, or updated by another trainer): sampling from it "
+                                   "would be off-policy. Resume the run to re-send the weights.")
+
     # -- engine
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self.check_version()
         body = completions_request(self.model, prompts, params, self.eos_token_ids, self.stop_strings)
         comps = parse_completions(self._post("/v1/completions", body), len(prompts), params.greedy)
         self.generated_tokens += sum(len(c.token_ids) for c in comps)
         return comps
 
     def sync_weights(self, model: Any) -> None:
+        if self.sync == "path":
+            self.load_weights(full_weights(model))
+            return
         self.version += 1
         if self.sync == "lora":
             path = save_adapter(model, self.adapter_dir, self.version)
@@ -762,7 +922,26 @@ class VLLMServerEngine(EngineBase):
             self._while_posting("/update_weights", {"update_info": weight_update_info(weights)},
                                 lambda: [send(t) for _, t in weights])
             self._post("/finish_weight_update", optional=True)
+            self._post("/update_weight_version", {"new_version": self.version_string()}, optional=True)
             self._post("/reset_prefix_cache", optional=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """(checkpoint name, tensor) pairs, every weight of the model, written to `weights_dir` and
+        reloaded in place by the server (`sync="path"`; torchrun's gathered shards come here too)."""
+        import torch
+
+        if self.sync != "path":
+            raise ValueError(f"load_weights needs sync='path' (this engine syncs by {self.sync})")
+        self.version += 1
+        path = save_full_weights(cast_weights(weights, getattr(torch, self.dtype)), self.weights_dir, self.version)
+        self._post("/pause", query={"mode": "wait"})  # requests in flight finish on the old weights
+        try:
+            self._post("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": str(path.resolve())}})
+            self._post("/update_weight_version", {"new_version": self.version_string()})
+            self._post("/reset_prefix_cache", optional=True)
+        finally:
+            self._post("/resume")
 
     def _server_world_size(self) -> int:
         """The server's worker count (TP x PP x DP) from GET /get_world_size (a wrong NCCL group

@@ -75,7 +75,7 @@ def check_supported(cfg: Config, world: int) -> None:
                         "merging a sharded adapter is not implemented, and a 135M-2B LoRA run fits one device)")
     if cfg.rollout.engine not in TORCHRUN_ENGINES:
         problems.append(f"rollout.engine={cfg.rollout.engine}: only the engines {', '.join(TORCHRUN_ENGINES)} run "
-                        "under torchrun (auto picks hf there)")
+                        "under torchrun")
     if problems:
         raise ConfigError("; ".join(problems))
 

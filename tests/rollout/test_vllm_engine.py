@@ -16,8 +16,10 @@ from actloop.config import ConfigError, load_config
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.factory import make_engine
 from actloop.rollout.vllm_engine import (
+    StaleServerError,
     VLLMEngine,
     VLLMServerEngine,
+    cast_weights,
     completion_from_vllm,
     completions_request,
     finish_reason,
@@ -92,6 +94,35 @@ def test_completion_from_vllm_takes_the_sampled_tokens_logprob():
         completion_from_vllm(SimpleNamespace(token_ids=[7], logprobs=[{8: -1.0}], finish_reason="stop"))
     with pytest.raises(ValueError, match="logprobs=0"):
         completion_from_vllm(SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="stop"))
+
+
+def test_vllm_routed_experts_become_the_routing_of_every_input_position():
+    import numpy as np
+
+    experts = np.arange(6 * 2 * 2).reshape(6, 2, 2)  # 6 positions (prompt 4 + 2 sampled), 2 MoE layers, top-2
+    out = SimpleNamespace(token_ids=[7, 8], logprobs=[{7: -0.1}, {8: -0.2}], finish_reason="stop", stop_reason=None,
+                          routed_experts=experts)
+    comp = completion_from_vllm(out, prompt_len=4)
+    assert comp.routing.shape == (5, 2, 2) and comp.routing.dtype == torch.long  # the last sampled id is no input
+    assert torch.equal(comp.routing, torch.as_tensor(experts[:5]))
+    with pytest.raises(ValueError, match="experts of 6 positions for 9 inputs"):
+        completion_from_vllm(out, prompt_len=8)
+    assert completion_from_vllm(_out([7], [-0.1]), prompt_len=4).routing is None
+
+
+def test_routing_replay_on_vllms_cpu_build_is_refused_at_start_with_the_reason(monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import actloop.rollout.vllm_engine as ve
+    from actloop.rollout.factory import resolve_engine
+
+    if ve.vllm_platform() != "cpu":
+        pytest.skip("vLLM's GPU build returns routed experts")
+    assert "V2 model runner" in ve.vllm_routing_support()
+    monkeypatch.delenv("ACTLOOP_AUTO_ENGINE", raising=False)
+    kind, why = resolve_engine(load_config(None, ["train.routing_replay=true"]))
+    assert kind == "hf" and "cannot return routed experts" in why
+    with pytest.raises(ValueError, match="routing_replay on the vllm engine: vLLM's CPU build"):
+        VLLMEngine("unused", (2,), routing=True)
 
 
 class _Tiny(torch.nn.Module):
@@ -222,6 +253,7 @@ class _FakeServer:
 
     def __init__(self, missing=("/start_weight_update",), world_size=2):
         self.requests, self.missing, self.world_size = [], set(missing), world_size
+        self.adapters, self.weight_version = [], "default"  # as vLLM: loaded LoRA names, GET /weight_info
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -242,7 +274,9 @@ class _FakeServer:
                     return self._reply(404, {"detail": "Not Found"})
                 if self.path == "/get_world_size":
                     return self._reply(200, {"world_size": fake.world_size})
-                self._reply(200, {"data": [{"id": "served-model"}]})
+                if self.path == "/weight_info":
+                    return self._reply(200, {"weight_version": fake.weight_version})
+                self._reply(200, {"data": [{"id": m} for m in ["served-model", *fake.adapters]]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -251,6 +285,12 @@ class _FakeServer:
                     return self._reply(404, {"detail": "Not Found"})
                 if self.path == "/v1/completions":
                     return self._reply(200, fake.completions(body))
+                if self.path == "/v1/load_lora_adapter":
+                    fake.adapters.append(body["lora_name"])
+                elif self.path == "/v1/unload_lora_adapter":
+                    fake.adapters.remove(body["lora_name"])
+                elif self.path == "/update_weight_version":
+                    fake.weight_version = body["new_version"]
                 self._reply(200, {})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -326,6 +366,37 @@ def test_server_lora_sync_loads_new_and_unloads_old(server, tmp_path):
     assert server.posts("/v1/unload_lora_adapter") == [{"lora_name": "actloop-v1"}]
     eng.generate([[1]], SamplingParams(max_new_tokens=1))
     assert server.posts("/v1/completions")[-1]["model"] == "actloop-v2"
+
+
+def test_server_path_sync_writes_safetensors_and_reloads_in_place_then_checks_the_version(server, tmp_path):
+    from safetensors.torch import load_file
+
+    eng = VLLMServerEngine(server.url, (2,), sync="path", weights_dir=tmp_path)
+    eng.generate([[1]], SamplingParams(max_new_tokens=1))  # before any sync: the server as found ("default")
+    model = _Tiny()
+    eng.sync_weights(model)
+    eng.sync_weights(model)
+    calls = [p for m, p, _ in server.requests if m == "POST" and p != "/v1/completions"]
+    assert calls == ["/pause?mode=wait", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
+                     "/resume"] * 2
+    assert server.posts("/collective_rpc")[1] == {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": str((tmp_path / "v2").resolve())}}
+    assert [p.name for p in tmp_path.iterdir()] == ["v2"]  # only the newest kept
+    saved = load_file(str(tmp_path / "v2" / "model.safetensors"))
+    assert torch.equal(saved["lin.weight"], model.lin.weight.detach().to(torch.bfloat16))
+    assert server.weight_version == eng.version_string() == f"{eng.token}-2"
+    eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    server.weight_version = "default"  # restarted
+    with pytest.raises(StaleServerError, match="holds weight version 'default', not this run's latest"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=1))
+
+
+def test_tied_tensors_are_written_once_under_the_first_name():
+    emb = torch.nn.Embedding(4, 2)
+    head = torch.nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    state = [("model.embed_tokens.weight", emb.weight), ("lm_head.weight", head.weight)]
+    assert [n for n, _ in cast_weights(state, torch.bfloat16)] == ["model.embed_tokens.weight"]
 
 
 def test_server_nccl_sync_posts_metadata_while_broadcasting_in_order(server):
