@@ -19,11 +19,16 @@ between two step ends — TRL's `on_step_end` callback, actloop's metrics line l
 first (warm-up) step is excluded for both; each is reported as wall seconds and as process CPU
 seconds (steadier under a neighbour's load; with 1 thread, the wall time on an idle core).
 
-    python benchmarks/grpo_vs_trl.py                       # full FT and LoRA, 2 x 4, 64 tokens
+The KL term is on by default (beta 0.04, k3 in the loss for both, as users train: the KL
+constraint is the usual guard against reward collapse); `--beta 0` times the KL-free step.
+
+    python benchmarks/grpo_vs_trl.py                       # full FT and LoRA, 2 x 4, 64 tokens, beta 0.04
     python benchmarks/grpo_vs_trl.py --mode full --repeats 2 --steps 4 --threads 2
     python benchmarks/grpo_vs_trl.py --only actloop --precision fp32    # default auto: bf16 where native
 
-Needs the `bench` extra (trl, datasets) for the TRL side.
+Needs the `bench` extra (trl, datasets) for the TRL side, in this interpreter or in the one
+`--trl-python` (or ACTLOOP_TRL_PYTHON) names: a separate environment for TRL alone, e.g. a venv
+whose .pth file adds this one's site-packages (the same torch and transformers for both).
 """
 
 from __future__ import annotations
@@ -141,7 +146,7 @@ def run_actloop(a, rows: Path, out_dir: Path) -> list[float]:
         clock.stop()
     with open(res.run_dir / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
-    keys = ("rollout_s", "update_s", "peak_mem_mb", "trained_trajectories", "response_tokens")
+    keys = ("rollout_s", "update_s", "ref_s", "old_logp_s", "peak_mem_mb", "trained_trajectories", "response_tokens")
     print("PARTS " + json.dumps([{k: r.get(k) for k in keys} for r in recs]), file=sys.stderr, flush=True)
     # actloop resets the RSS high-water mark after every update (its per-step peak_mem_mb), so the
     # process peak is the largest step window, not the VmHWM left at the end
@@ -222,7 +227,8 @@ def child(a) -> None:
 # ------------------------------------------------------------------------------------------ parent
 
 def launch(a, framework: str, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", framework, "--mode", mode] + [
+    python = a.trl_python if framework == "trl" else sys.executable
+    cmd = [python, __file__, "--child", framework, "--mode", mode] + [
         x for k in ("steps", "prompts", "group", "max_new_tokens", "precision", "threads", "lr", "beta",
                     "temperature", "seed") for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
     if a.gradient_checkpointing or (framework == "trl" and a.trl_gradient_checkpointing):
@@ -260,7 +266,7 @@ def main(argv=None) -> None:
                          "resolved here so that both get the same")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for both")
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--beta", type=float, default=0.0)
+    ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient for both (TRL's k3 in the loss)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gradient-checkpointing", action="store_true", help="on for both (TRL's own default is on)")
@@ -268,6 +274,8 @@ def main(argv=None) -> None:
                     help="on for TRL only (TRL's default; actloop's default is on too, this flag leaves actloop off)")
     ap.add_argument("--mode", choices=["full", "lora", "both"], default="both")
     ap.add_argument("--only", choices=["actloop", "trl"], default=None)
+    ap.add_argument("--trl-python", default=os.environ.get("ACTLOOP_TRL_PYTHON", sys.executable),
+                    help="the interpreter of the TRL runs (an environment with trl; default this one)")
     ap.add_argument("--repeats", type=int, default=1, help="back-to-back repeats of each pair")
     ap.add_argument("--actloop-override", action="append", default=[], help="extra actloop key=value (ablations)")
     ap.add_argument("--verbose", action="store_true", help="print actloop's per-step rollout/update split")

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 TOKEN_KEYS = ("prompt_tokens", "response_tokens", "tool_tokens")
 # the trainer logs the judges' accounting per step as judge/<key> (actloop.rewards.judge.judge_usage)
 JUDGE_KEYS = ("judge/requests", "judge/failed", "judge/prompt_tokens", "judge/completion_tokens", "judge/cost_usd")
-TIME_PARTS = ("rollout", "sandbox", "scoring", "update")
+TIME_PARTS = ("rollout", "sandbox", "scoring", "update", "ref")  # ref: the reference pass, inside update
 CUMULATIVE = (TOKEN_KEYS + JUDGE_KEYS + ("sandbox_runs", "sandbox_timeouts")
               + tuple(f"{p}_s" for p in TIME_PARTS) + ("step_s",))
 

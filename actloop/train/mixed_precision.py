@@ -41,16 +41,9 @@ def _kept_fp32(model: nn.Module) -> set[int]:
     return {id(p) for n, p in model.named_parameters() if any(k in n.split(".") for k in names)}
 
 
-@contextlib.contextmanager
-def bf16_weights(*models: nn.Module | None, buffers: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
-    """Inside the block the fp32 parameters of `models` (None entries skipped) are bf16 copies;
-    gradients accumulate in fp32. On exit the fp32 masters are back and each trainable one's
-    `.grad` is the fp32 sum of the block's gradients (added to a gradient it had on entry).
-
-    buffers: {id(parameter): a bf16 tensor of its shape} to cast into instead of allocating (the
-    engine's weight copy, `Engine.lend_weights`); their values are the masters' afterwards.
-    Every backward that reads these parameters must finish inside the block. Not for FSDP-sharded
-    models (their DTensor parameters get FSDP's own mixed precision)."""
+def _castable(*models: nn.Module | None) -> list[nn.Parameter]:
+    """The parameters `bf16_weights` computes in bf16: every fp32 one (each once: tied weights are
+    one Parameter) but those `_kept_fp32`; buffers (RoPE's inverse frequencies) stay as they are."""
     params: list[nn.Parameter] = []
     seen: set[int] = set()
     for model in models:
@@ -61,6 +54,28 @@ def bf16_weights(*models: nn.Module | None, buffers: dict[int, torch.Tensor] | N
             if id(p) not in seen and id(p) not in keep and p.dtype == torch.float32:
                 seen.add(id(p))
                 params.append(p)
+    return params
+
+
+def hold_in_bf16(model: nn.Module) -> None:
+    """Cast a model that never trains (the full fine-tuning reference) to what `bf16_weights` would
+    make of it at every update, once and for good: half its memory, no cast per step, the same
+    log-probs (bf16_weights then leaves its parameters alone: they are no longer fp32)."""
+    for p in _castable(model):
+        p.data = p.data.to(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def bf16_weights(*models: nn.Module | None, buffers: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
+    """Inside the block the fp32 parameters of `models` (None entries skipped) are bf16 copies;
+    gradients accumulate in fp32. On exit the fp32 masters are back and each trainable one's
+    `.grad` is the fp32 sum of the block's gradients (added to a gradient it had on entry).
+
+    buffers: {id(parameter): a bf16 tensor of its shape} to cast into instead of allocating (the
+    engine's weight copy, `Engine.lend_weights`); their values are the masters' afterwards.
+    Every backward that reads these parameters must finish inside the block. Not for FSDP-sharded
+    models (their DTensor parameters get FSDP's own mixed precision)."""
+    params = _castable(*models)
     masters: list[torch.Tensor] = []
     sums: dict[int, torch.Tensor] = {}
     hooks = []

@@ -39,7 +39,7 @@ from actloop.train.failures import (FailureGuard, FailureLog, RunAborted, classi
                                     masked_line, tool_line)
 from actloop.train.interrupt import GracefulStop
 from actloop.train.memory import PhasePeaks, frozen_gc, mmap_threshold, set_mmap_threshold
-from actloop.train.mixed_precision import uses_bf16_weights
+from actloop.train.mixed_precision import hold_in_bf16, uses_bf16_weights
 from actloop.train.critic import Critic
 from actloop.train.distributed import init_distributed, launched_by_torchrun
 from actloop.train.optim import adamw, drop_state
@@ -296,6 +296,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     with peaks("model_load"):
         models = load_models(cfg.model, lora=cfg.lora, need_reference=cfg.train.beta > 0 or alg.needs_reference,
                              attn_implementation=cfg.train.attn_implementation)
+        if models.reference is not None and uses_bf16_weights(cfg.train.precision, cfg.train.bf16_mode,
+                                                              sharded=dist.active and cfg.distributed.fsdp):
+            hold_in_bf16(models.reference)  # never trained: cast once, not at every update
     if cfg.train.routing_replay:
         require_routing(models.policy)  # a clear error for a model without a replayable MoE router
     if ckpt is not None and not dist.active:

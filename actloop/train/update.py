@@ -16,6 +16,7 @@ log-probs of a micro-batch are put in the same layout, and the loss is one call 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -138,10 +139,15 @@ def _precision(ctx: UpdateContext, need_ref: bool = False):
                             sharded=ctx.dist is not None and ctx.dist.fsdp, buffers=ctx.lent_weights)
 
 
-def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_ref: bool, need_values: bool) -> None:
-    """No-grad pass over rows idx: old log-probs, reference log-probs (need_ref), critic values
-    (need_values) into the batch."""
+def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_old: bool, need_ref: bool,
+                need_values: bool) -> dict[str, float]:
+    """No-grad passes over rows idx, micro-batch by micro-batch under one precision context: the
+    policy's (old log-probs, critic values with need_values) when need_old, the reference's
+    (need_ref) on the same micro-batches. On-policy GRPO with the KL term in the loss needs only
+    the reference's: its old log-probs are the update's own, detached. -> {"old_logp_s": seconds
+    of the policy's pass, "ref_s": seconds of the reference's}."""
     t = ctx.cfg.train
+    secs = {"old_logp_s": 0.0, "ref_s": 0.0}
     with torch.no_grad(), _precision(ctx, need_ref):
         micros = _micro(ctx, batch, idx)
         pad = ctx.dist.missing(len(micros)) if ctx.dist is not None else 0  # FSDP: as many passes as every rank
@@ -149,22 +155,30 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_re
             ctx.dist.dummy_pass(ctx, grad=False)
         for mb in micros:
             part = batch.rows(mb)
-            out = token_logprobs(ctx.models.policy, part.seqs, part.loss_masks, ctx.cfg.rollout.temperature,
-                                 t.precision, return_hidden=need_values and ctx.critic.mode == "head",
-                                 chunk=t.logits_chunk, checkpointing=t.gradient_checkpointing,
-                                 share_prefix=_share_prefix(ctx), pad_to=t.pad_to_multiple, **_routing(ctx, part))
-            n = out.mask.sum(-1).tolist()
-            batch.put("old_logp", mb, out.logp[out.mask].float().cpu().split(n))
-            if need_values:
-                vals = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"
-                        else ctx.critic.values(part.seqs, part.loss_masks, t.precision))
-                batch.put("values", mb, vals.float().cpu().split(n))
+            t0 = time.perf_counter()
+            if need_old:
+                out = token_logprobs(ctx.models.policy, part.seqs, part.loss_masks, ctx.cfg.rollout.temperature,
+                                     t.precision, return_hidden=need_values and ctx.critic.mode == "head",
+                                     chunk=t.logits_chunk, checkpointing=t.gradient_checkpointing,
+                                     share_prefix=_share_prefix(ctx), pad_to=t.pad_to_multiple, **_routing(ctx, part))
+                n = out.mask.sum(-1).tolist()
+                batch.put("old_logp", mb, out.logp[out.mask].float().cpu().split(n))
+                if need_values:
+                    vals = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"
+                            else ctx.critic.values(part.seqs, part.loss_masks, t.precision))
+                    batch.put("values", mb, vals.float().cpu().split(n))
+            t1 = time.perf_counter()
             if need_ref:
                 with ctx.models.reference_context():
                     r = token_logprobs(ctx.models.reference_model(), part.seqs, part.loss_masks,
                                        ctx.cfg.rollout.temperature, t.precision, chunk=t.logits_chunk,
-                                       checkpointing=t.gradient_checkpointing, pad_to=t.pad_to_multiple)
+                                       checkpointing=t.gradient_checkpointing, pad_to=t.pad_to_multiple,
+                                       # a separate copy is never FSDP-sharded; LoRA's is the (sharded?) policy
+                                       share_prefix=ctx.models.reference is not None or _share_prefix(ctx))
                 batch.put("ref_logp", mb, r.logp[r.mask].float().cpu().split(r.mask.sum(-1).tolist()))
+            secs["old_logp_s"] += t1 - t0
+            secs["ref_s"] += time.perf_counter() - t1
+    return secs
 
 
 def estimator_name(cfg: Config) -> str:
@@ -303,8 +317,9 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
     need_values = est.needs_critic
     need_old = not on_policy or need_values or (need_ref and cfg.kl.mode == "reward")
     batch = RolloutBatch.from_scored(scored)  # [B, T], once per step (episodes, then extra segments)
+    fixed_s = {"old_logp_s": 0.0, "ref_s": 0.0}  # the per-phase seconds in the metrics
     if need_old or need_ref:
-        _fixed_pass(ctx, batch, valid, need_ref, need_values)
+        fixed_s = _fixed_pass(ctx, batch, valid, need_old, need_ref, need_values)
     n_ep = len(episodes)
     ep_batch = batch.rows(list(range(n_ep))) if owner else batch  # the estimator sees the [P, G] episodes
     adv_ep, batch.returns, metrics = compute_advantages(ctx, episodes, ep_batch, valid_episodes, group_size)
@@ -365,6 +380,7 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
         acc, metrics, n_work = ctx.dist.gather_update_metrics(acc, metrics, n_work)
     out_metrics = {k: mean(v) for k, v in acc.items()}
     out_metrics.update(metrics)
+    out_metrics.update({k: round(v, 3) for k, v in fixed_s.items()})
     out_metrics.update(grad_norm=mean(grad_norms), optimizer_steps=len(batches), trained_trajectories=n_work,
                        beta=ctx.beta)
     out_metrics.setdefault("kl", 0.0)

@@ -31,6 +31,8 @@ def test_time_split_fractions():
     assert s == {"time/rollout_frac": 0.5, "time/sandbox_frac": 0.125, "time/scoring_frac": 0.25,
                  "time/update_frac": 0.25}
     assert time_split({"rollout_s": 1.0}) == {} and time_split({"step_s": 0, "rollout_s": 1.0}) == {}
+    assert time_split({"step_s": 8.0, "update_s": 2.0, "ref_s": 0.5}) == {"time/update_frac": 0.25,
+                                                                         "time/ref_frac": 0.0625}  # inside update
 
 
 def test_state_round_trip_continues_the_totals():
