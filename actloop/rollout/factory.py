@@ -102,7 +102,8 @@ def _make_engine(cfg: Config, models: Any, renderer: Any, threads: int | None = 
                           kv_cache_gb=r.vllm_kv_cache_gb, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
                           enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if models.lora else None,
-                          adapter_dir=adapter_dir(cfg), dtype=_vllm_dtype(cfg), seed=cfg.seed)
+                          adapter_dir=adapter_dir(cfg), dtype=_vllm_dtype(cfg), seed=cfg.seed,
+                          kv_after_update=r.kv_after_update)
     if kind == "vllm-server":
         from actloop.rollout.vllm_engine import VLLMServerEngine
 

@@ -59,6 +59,7 @@ import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -252,7 +253,7 @@ class VLLMEngine(EngineBase):
                  threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
                  sleep: bool = True, max_model_len: int = 4096, prefix_caching: bool = True,
                  enforce_eager: bool = False, lora_rank: int | None = None, adapter_dir: str | Path | None = None,
-                 dtype: str = "bfloat16", seed: int = 0, llm: Any = None):
+                 dtype: str = "bfloat16", seed: int = 0, kv_after_update: str = "recompute", llm: Any = None):
         import torch
 
         self.eos_token_ids = tuple(eos_token_ids)
@@ -269,6 +270,11 @@ class VLLMEngine(EngineBase):
         self._asleep = False
         self._weights_lost = False  # weights freed by sleep (GPU level 2, CPU packed weights), until the next sync
         self._inbox: queue.Queue = queue.Queue()
+        self._running: dict[str, tuple[Future, bool, list[tuple[int, int]]]] = {}  # the compute thread's
+        # what a weight sync does to the KV cache of requests it finds running (rollout.kv_after_update):
+        # "recompute" (vLLM preempts them and recomputes their prompt + tokens so far under the new weights)
+        # or "keep" (they continue on the KV the old weights computed: PipelineRL's choice)
+        self.kv_after_update = kv_after_update
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -326,7 +332,7 @@ class VLLMEngine(EngineBase):
             return
         ready.set_result(None)
         engine = self.llm.llm_engine
-        running: dict[str, tuple[Future, bool]] = {}  # request id -> (future, greedy)
+        running = self._running  # request id -> (future, greedy, [(first token index, version), ...])
         calls: list[EngineCall] = []
         while True:
             try:  # block only when nothing runs
@@ -337,7 +343,7 @@ class VLLMEngine(EngineBase):
                         return
                     if isinstance(item, EngineCall):
                         calls.append(item)
-                    elif not calls:  # requests wait while a run(fn) waits for the batch to drain
+                    elif all(c.in_flight for c in calls):  # requests wait while a run(fn) waits for the batch to drain
                         self._add(engine, item, running)
                     else:
                         self._inbox.put(item)
@@ -355,14 +361,15 @@ class VLLMEngine(EngineBase):
                     continue
                 for out in outs:
                     if out.finished and out.request_id in running:
-                        fut, greedy = running.pop(out.request_id)
+                        fut, greedy, spans = running.pop(out.request_id)
                         try:
                             comp = completion_from_vllm(out.outputs[0], greedy)
+                            comp = replace(comp, versions=token_versions(spans, len(comp.token_ids)))
                             self.generated_tokens += len(comp.token_ids)
                             fut.set_result(comp)
                         except Exception as e:
                             fut.set_exception(e)
-            if calls and not running:
+            if calls and (not running or all(c.in_flight for c in calls)):
                 for c in calls:
                     try:
                         c.future.set_result(c.fn(*c.args, **c.kwargs))
@@ -392,11 +399,11 @@ class VLLMEngine(EngineBase):
         except Exception as e:  # this request fails; the others go on
             fut.set_exception(e)
             return
-        running[rid] = (fut, params.greedy)
+        running[rid] = (fut, params.greedy, [(0, self.version)])
 
     @staticmethod
     def _fail(running: dict, calls: list, e: BaseException) -> None:
-        for fut, _ in running.values():
+        for fut, *_ in running.values():
             if not fut.done():
                 fut.set_exception(e)
         running.clear()
@@ -424,13 +431,21 @@ class VLLMEngine(EngineBase):
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) on the compute thread once no request runs; its result or its exception."""
+        return self._call(EngineCall(fn, args, kwargs, Future()))
+
+    def run_in_flight(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the compute thread right after the current decode step, the running requests
+        kept in vLLM's batch with their KV cache (paused while fn runs, continued after it): the
+        asynchronous loop's update and in-flight weight sync (PipelineRL's in-flight update)."""
+        return self._call(EngineCall(fn, args, {}, Future(), in_flight=True))
+
+    def _call(self, call: EngineCall) -> Any:
         if self._on_thread():
-            return fn(*args, **kwargs)
+            return call.fn(*call.args, **call.kwargs)
         if self._closed:
             raise RuntimeError("the engine was closed")
-        fut: Future = Future()
-        self._inbox.put(EngineCall(fn, args, kwargs, fut))
-        return fut.result()
+        self._inbox.put(call)
+        return call.future.result()
 
     def close(self) -> None:
         if self._closed:
@@ -517,7 +532,36 @@ class VLLMEngine(EngineBase):
         self._weights_lost = False
         if not self._cpu:  # a CPU's released KV cache comes back with the next request, not inside the update
             self._wake(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        # cached prefixes were computed with the old weights
+        if not self._running:
+            self.llm.reset_prefix_cache()
+            return
+        # an in-flight sync (run_in_flight): the running requests' next tokens are the new version's, on KV
+        # recomputed under the new weights (vLLM preempts them, then prefills prompt + tokens so far) or kept
+        states = self.llm.llm_engine.output_processor.request_states
+        for rid, (_, _, spans) in self._running.items():
+            spans.append((_num_output_tokens(states.get(rid)), self.version))
+        self.llm.reset_prefix_cache(reset_running_requests=self.kv_after_update == "recompute")
+
+
+def _num_output_tokens(state: Any) -> int:
+    """Tokens a running request has output so far (vLLM's output processor's state of it)."""
+    if state is None:
+        return 0
+    detok = getattr(state, "detokenizer", None)
+    if detok is not None:
+        return detok.num_output_tokens()
+    return len(getattr(state.logprobs_processor, "logprobs", None) or [])
+
+
+def token_versions(spans: list[tuple[int, int]], n: int) -> tuple[int, ...]:
+    """[(first token index, version), ...] in order -> the version of each of n tokens: a request
+    that spanned in-flight weight syncs has its tokens before each sync under the older version."""
+    out: list[int] = []
+    for k, (start, version) in enumerate(spans):
+        end = spans[k + 1][0] if k + 1 < len(spans) else n
+        out += [version] * max(0, min(end, n) - len(out))
+    return tuple(out)
 
 
 def release_kv_cache(worker: Any) -> list[tuple[Any, int]]:
