@@ -538,16 +538,21 @@ class VLLMEngine(EngineBase):
             return
         # an in-flight sync (run_in_flight): the running requests' next tokens are the new version's, on KV
         # recomputed under the new weights (vLLM preempts them, then prefills prompt + tokens so far) or kept
-        states = self.llm.llm_engine.output_processor.request_states
+        outputs = self.llm.llm_engine.output_processor
         for rid, (_, _, spans) in self._running.items():
-            spans.append((_num_output_tokens(states.get(rid)), self.version))
+            spans.append((_num_output_tokens(outputs, rid), self.version))
         self.llm.reset_prefix_cache(reset_running_requests=self.kv_after_update == "recompute")
 
 
-def _num_output_tokens(state: Any) -> int:
-    """Tokens a running request has output so far (vLLM's output processor's state of it)."""
+def _num_output_tokens(outputs: Any, rid: str) -> int:
+    """Tokens running request `rid` has output so far, from vLLM's output processor (which keys its
+    state by an internal id, the one we gave it plus a suffix)."""
+    state = outputs.request_states.get(rid)
     if state is None:
-        return 0
+        internal = outputs.external_req_ids.get(rid) or []
+        state = outputs.request_states.get(internal[0]) if internal else None
+    if state is None:
+        raise RuntimeError(f"vLLM holds no output state for running request {rid}: cannot tell its tokens' versions")
     detok = getattr(state, "detokenizer", None)
     if detok is not None:
         return detok.num_output_tokens()

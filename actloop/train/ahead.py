@@ -212,18 +212,18 @@ class AheadRollouts:
                 self._gate_since = time.time()
             seen, self.seen = self.seen, []
             dropped, self.filter_drops = self.filter_drops, 0
-        lags = [version - g.first_version for g in out]
-        for g, lag in zip(out, lags):
-            self._event(g, "trained", staleness=lag)
-            for s in g.scored:
-                s.trajectory.info["policy"] = {"group_id": g.gid, "first_version": g.first_version,
-                                               "last_version": g.last_version, "staleness": lag}
+            lags = [version - g.first_version for g in out]
+            for g, lag in zip(out, lags):
+                self._event(g, "trained", staleness=lag)
+                for s in g.scored:
+                    s.trajectory.info["policy"] = {"group_id": g.gid, "first_version": g.first_version,
+                                                   "last_version": g.last_version, "staleness": lag}
+            self._flush(step)
+            metrics = {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
+                       "stale_dropped_groups": stale, "trainer_wait_s": round(wait_s, 3),
+                       "engine_wait_s": round(gate_s, 3), "groups_running": len(self.running),
+                       "groups_ready": len(self.finished)}
         scored = [s for g in out for s in g.scored]
-        metrics = {"staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
-                   "stale_dropped_groups": stale, "trainer_wait_s": round(wait_s, 3),
-                   "engine_wait_s": round(gate_s, 3), "groups_running": len(self.running),
-                   "groups_ready": len(self.finished)}
-        self._flush(step)
         return AheadBatch(scored, seen + scored, dropped, sum(g.scoring_s for g in out), metrics)
 
     def synced(self, version: int) -> None:
