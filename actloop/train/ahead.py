@@ -2,16 +2,17 @@
 
 A producer thread starts groups (one prompt, G episodes) whenever the staleness bound allows,
 each on a thread of its own, so that while the trainer updates, the engine keeps sampling and the
-environments keep stepping; the trainer takes the oldest finished groups. The bound is AReaL's
+environments keep stepping; the trainer takes the oldest finished groups, waiting only for a running group at its last chance
+(K updates old: a newer group that finished first must not push it past the bound). The bound is AReaL's
 (`max_head_offpolicyness`, Fu et al. 2025, sec. 5.1): with P prompts a step and v the policy
 version now in the engine (weight syncs so far), a new group may start only while
 
     groups admitted (trained, finished or running) < (v + K + 1) * P
 
-so a group started under version v is meant for a step that trains version <= v + K. A group
-that overtook nothing and was overtaken (a slow episode) can still come due later: when the
-trainer takes it, its staleness (proximal version - oldest version of its tokens) is checked
-again and a group over K is dropped and counted (`stale_dropped_groups`), never trained. K = 0
+so a group started under version v is meant for a step that trains version <= v + K. When the
+trainer takes a group its staleness (proximal version - oldest version of its tokens) is checked
+again, and a group over K (possible when dynamic sampling or a resume reorders the groups) is
+dropped and counted (`stale_dropped_groups`), never trained. K = 0
 never comes here: the trainer's synchronous `rollout_groups` runs instead, exactly as before.
 
 Episodes span versions: the trainer's update and weight sync run between two decode steps
@@ -192,15 +193,17 @@ class AheadRollouts:
             while len(out) < self.P:
                 if self.error is not None:
                     raise RuntimeError(f"a rollout group failed: {self.error!r}") from self.error
+                for g in [g for g in self.finished if version - g.first_version > self.K]:  # too late: never trained
+                    self.finished.remove(g)
+                    stale += 1
+                    self.seen += g.scored
+                    self._event(g, "dropped_stale", staleness=version - g.first_version)
+                # a running group at its last chance (K updates old now) keeps its place: a newer group that
+                # finished first does not push it past the bound
+                last_chance = sum(1 for g in self.running.values() if version - g.first_version == self.K)
                 self.finished.sort(key=lambda g: (g.first_version, g.gid))  # oldest first
-                while self.finished and len(out) < self.P:
-                    g = self.finished.pop(0)
-                    if version - g.first_version > self.K:  # came due too late: never trained
-                        stale += 1
-                        self.seen += g.scored
-                        self._event(g, "dropped_stale", staleness=version - g.first_version)
-                    else:
-                        out.append(g)
+                while self.finished and len(out) < self.P - min(last_chance, self.P - len(out)):
+                    out.append(self.finished.pop(0))
                 if len(out) < self.P:
                     self.cond.notify_all()  # a stale drop freed places
                     self.cond.wait()

@@ -139,3 +139,124 @@ def test_k1_run_trains_stale_groups_with_the_decoupled_loss(tmp_path, tiny_qwen3
     trained = load_file(str(run / "checkpoints" / "step-000004" / "policy.safetensors"))
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).state_dict()
     assert any(not torch.equal(trained[k], base[k].float()) for k in trained if k in base)
+
+
+# --- the producer's bookkeeping, without a model (fast) ---------------------------------------------
+
+import threading  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from actloop.train.ahead import AheadRollouts  # noqa: E402
+from actloop.types import Message, Scored, Trajectory, Turn  # noqa: E402
+
+
+class Rows:
+    def __init__(self):
+        self.i = 0
+
+    def next(self, n):
+        self.i += n
+        return [{"id": self.i - 1}]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, d):
+        self.i = d["i"]
+
+
+def producer(k=1, p=2, g=2, hold=(), equal=(), refill=1, dynamic=False):
+    """An AheadRollouts whose groups are instant fake episodes stamped with the engine's version;
+    rows whose id is in `hold` wait for `release`; rows in `equal` get all-equal rewards."""
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k),
+                          train=SimpleNamespace(prompts_per_step=p, group_size=g, dynamic_sampling=dynamic,
+                                                max_refill_rounds=refill))
+    engine = SimpleNamespace(version=0)
+    release = threading.Event()
+    started = []
+
+    def run_group(gate, rows):
+        started.append(rows[0]["id"])
+        v = engine.version  # the version its tokens are sampled with (a slow tool then holds the episode)
+        if rows[0]["id"] in hold:
+            release.wait(10)
+        return [Trajectory((Message("user", "q"),), (1,), (Turn(Message("assistant", "a"), (2,), (-0.1,), "stop",
+                                                                 versions=(v,)),), row=r) for r in rows]
+
+    def score(trajs):
+        return [Scored(t, 1.0 if t.row["id"] in equal else float(i), {}) for i, t in enumerate(trajs)]
+
+    prod = AheadRollouts(cfg, engine, Rows(), run_group, score, version=0)
+    return prod, engine, release, started
+
+
+def wait_for(cond, timeout=10):
+    t = time.time()
+    while not cond():
+        assert time.time() - t < timeout
+        time.sleep(0.01)
+
+
+def test_the_producer_runs_at_most_k_plus_1_steps_of_groups_ahead():
+    prod, engine, _, started = producer(k=1, p=2)
+    with prod:
+        wait_for(lambda: len(prod.finished) == 4)
+        time.sleep(0.1)
+        assert len(started) == 4  # (v + K + 1) * P = 4 at version 0, no more
+        got = prod.take(1)
+        assert [s.trajectory.info["policy"]["group_id"] for s in got.scored[::2]] == [0, 1]  # the oldest
+        assert got.metrics["staleness_max"] == 0 and got.metrics["stale_dropped_groups"] == 0
+        time.sleep(0.1)
+        assert len(started) == 4  # still version 0: the bound holds until the weights move on
+        engine.version = 1
+        prod.synced(1)
+        wait_for(lambda: len(started) == 6)
+        got = prod.take(2)  # groups 2, 3 were sampled by version 0: one update stale
+        assert got.metrics["staleness_max"] == 1 and got.metrics["engine_wait_s"] > 0
+
+
+def test_a_group_at_its_last_chance_is_waited_for_not_overtaken():
+    prod, engine, release, started = producer(k=1, p=2, hold={0})
+    with prod:
+        got = prod.take(1)  # group 0 hangs (a slow tool): groups 1 and 2 are trained
+        assert sorted(s.trajectory.info["policy"]["group_id"] for s in got.scored[::2]) == [1, 2]
+        engine.version = 1
+        prod.synced(1)
+        wait_for(lambda: len(prod.finished) >= 2)  # groups 3 and 4 are done, group 0 is not
+        result = {}
+        th = threading.Thread(target=lambda: result.update(got=prod.take(2)))
+        th.start()
+        time.sleep(0.3)
+        assert "got" not in result  # at step 2 group 0 is one update old: its last chance, so the trainer waits
+        release.set()
+        th.join(10)
+        ids = [s.trajectory.info["policy"]["group_id"] for s in result["got"].scored[::2]]
+        assert 0 in ids and result["got"].metrics["staleness_max"] == 1
+        assert result["got"].metrics["stale_dropped_groups"] == 0
+
+
+def test_a_group_over_the_bound_is_dropped_counted_and_replaced():
+    """A finished group older than K when its turn comes (here: carried over a resume from a run
+    whose weights moved on) is never trained; its place goes to a fresh group."""
+    from actloop.train.ahead import AheadGroup
+
+    prod, engine, _, started = producer(k=1, p=2)
+    old = AheadGroup(99, {"id": 99}, first_version=0, last_version=0)
+    old.scored = [Scored(Trajectory((Message("user", "q"),), (1,), (), row={"id": 99}), 0.0, {})]
+    prod.load_state_dict({"sampler": {"i": 0}, "next_gid": 0, "finished": [old], "redo": []})
+    prod.version, prod.trained, engine.version = 3, 6, 3
+    with prod:
+        got = prod.take(4)  # proximal version 3: group 99 is 3 updates old
+        assert got.metrics["stale_dropped_groups"] == 1 and got.metrics["staleness_max"] == 0
+        assert 99 not in [s.trajectory.info["policy"]["group_id"] for s in got.scored]
+        assert {s.trajectory.row["id"] for s in got.seen} >= {99}  # its failures still count
+
+
+def test_dynamic_sampling_drops_all_equal_groups_up_to_the_refill_rounds():
+    prod, _, _, started = producer(k=1, p=2, equal={0, 1, 2}, refill=1, dynamic=True)
+    with prod:
+        got = prod.take(1)
+        assert got.dropped == 2  # max_refill_rounds x P all-equal groups dropped; the next passes
+        assert len(got.seen) == len(got.scored) + 2 * 2
+        ids = sorted(s.trajectory.info["policy"]["group_id"] for s in got.scored[::2])
+        assert ids[0] >= 2
