@@ -7,8 +7,8 @@ Each run is `actloop train` in a subprocess (a fresh engine: the default, vLLM's
 `TASK` below: every assistant turn "calls" a lookup tool that sleeps uniform(1, 2) s, for `--turns`
 turns, then the episode ends; the reward (distinct words / words of the last reply) differs
 within groups, so every step really updates. 4 prompts x 4 samples a step, 24 new tokens a turn.
-Steps/min and samples/min come from the steps after the first (whose time includes the engine's
-warm-up): 60 * (steps - 1) / sum(step_s). K = 0 is the synchronous loop; K > 0 samples ahead. Runs
+Steps/min and samples/min come from the median `step_s` of the steps after the first (whose time
+includes the engine's warm-up): 60 / median; the mean (`steps_per_min_mean`) is printed too. K = 0 is the synchronous loop; K > 0 samples ahead. Runs
 alternate K (0, 1, 2, 0, 1, 2, ... with --repeats) and every run's numbers are printed as a JSON
 line, then the speed-up of each K over K = 0 (means over repeats; min-max in brackets).
 Hold `flock /tmp/actloop-bench.lock` while it runs on a shared machine.
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,9 +87,12 @@ def run(k: int, args, out_dir: Path) -> dict:
     steady = lines[1:]
     step_s = [r["step_s"] for r in steady]
     samples = sum(r["trained_trajectories"] for r in steady)
-    rec = {"K": k, "steps_per_min": round(60 * len(steady) / sum(step_s), 2),
-           "samples_per_min": round(60 * samples / sum(step_s), 1),
+    # the median step: a step slowed by another process on a shared machine does not move it
+    med = statistics.median(step_s)
+    rec = {"K": k, "steps_per_min": round(60 / med, 2), "samples_per_min": round(60 / med * samples / len(steady), 1),
+           "steps_per_min_mean": round(60 * len(steady) / sum(step_s), 2),
            "step_s_min": min(step_s), "step_s_max": max(step_s), "wall_s": round(time.time() - t0, 1),
+           "load_1min_after": round(os.getloadavg()[0], 2),
            "reward_mean_last": lines[-1]["reward_mean"]}
     if k > 0:
         rec.update(staleness_mean=round(sum(r["staleness_mean"] for r in steady) / len(steady), 2),
