@@ -37,6 +37,8 @@ ReasoningEffort = Literal["low", "medium", "high"]
 Schedule = Literal["auto", "continuous", "lockstep"]
 ServerSync = Literal["auto", "path", "nccl", "lora", "none"]
 WorkerEngine = Literal["auto", "hf", "vllm"]
+KVAfterUpdate = Literal["recompute", "keep"]
+ProximalLogp = Literal["recompute", "loglinear"]
 OptimizerName = Literal["auto", "adamw", "adamw_bf16_momentum", "adamw_8bit"]
 Precision = Literal["auto", "bf16", "fp32"]
 Bf16Mode = Literal["weights", "autocast"]
@@ -183,6 +185,18 @@ class RolloutConfig:
         "(every episode's turn in one batch, the next turn after every tool returned: bit-reproducible under the "
         "seed, which continuous batching is not, its batches depending on timing).",
     )
+    max_staleness: int = opt(
+        0, "Asynchronous RL: sampling runs ahead of training by at most this many updates (AReaL's "
+        "max_head_offpolicyness, prime-rl's async_level). 0 = the synchronous loop (each step samples with the "
+        "weights it trains, exactly as before). K > 0: a producer thread keeps up to (K + 1) x prompts_per_step "
+        "groups sampling while the trainer updates; the trainer takes the oldest finished groups; a group older "
+        "than K updates when its turn comes is dropped and counted (`stale_dropped_groups`), never trained; "
+        "weights reach the engine between decode steps (vllm: in flight, episodes continue across versions); "
+        "the loss is the decoupled PPO objective (docs/async.md). Needs the vllm or hf engine in one process.")
+    kv_after_update: KVAfterUpdate = opt(
+        "recompute", "vllm, rollout.max_staleness > 0: what an in-flight weight update does to the KV cache of the "
+        "requests it finds running: `recompute` (vLLM preempts them and prefills prompt + tokens so far under the "
+        "new weights) or `keep` (they go on over the KV the old weights computed, as PipelineRL does).")
     engine: EngineName = opt(
         "auto",
         "Generation engine: `auto` (vllm where vLLM is installed, else hf; the run's first lines say which and why; "
@@ -338,6 +352,12 @@ class TrainConfig:
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off; entropy is always logged).")
     epochs: int = opt(1, "Passes over each rollout batch. 1 with one mini-batch = exact on-policy (ratio 1).")
     minibatch_size: int = opt(0, "Trajectories per optimizer step within a rollout batch (0 = the whole batch).")
+    proximal_logp: ProximalLogp = opt(
+        "recompute", "rollout.max_staleness > 0 with several optimizer steps a batch (epochs / minibatch_size): how "
+        "the decoupled loss gets the proximal policy's log-probs (the weights before this update): `recompute` (a "
+        "no-grad forward pass before the update) or `loglinear` (AReaL's approximation from the behaviour and "
+        "current log-probs and each token's version, no extra pass). With one optimizer step a batch the proximal "
+        "log-probs are the current ones, exact and free.")
     dynamic_sampling: bool = opt(False, "Drop groups whose rewards are all equal and refill them (DAPO).")
     max_refill_rounds: int = opt(2, "Extra generation rounds dynamic sampling may spend refilling a step.")
     overlong_buffer: int = opt(0, "Soft overlong penalty over the last N tokens before max_new_tokens (0 = off).")
@@ -865,6 +885,18 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.engine_retries >= 0, "rollout.engine_retries must be >= 0"),
         (0 <= cfg.rollout.engine_retry_backoff_s <= cfg.rollout.engine_retry_max_backoff_s,
          "rollout.engine_retry_backoff_s must be >= 0 and <= rollout.engine_retry_max_backoff_s"),
+        (cfg.rollout.max_staleness >= 0, "rollout.max_staleness must be >= 0"),
+        (cfg.rollout.max_staleness == 0 or cfg.algo not in ALGORITHMS or not ALGORITHMS[cfg.algo].stale_refusal,
+         f"rollout.max_staleness > 0 is refused for algo={cfg.algo}: "
+         f"{ALGORITHMS.get(cfg.algo, ALGORITHMS['grpo']).stale_refusal}"),
+        (cfg.rollout.max_staleness == 0 or cfg.algo not in ALGORITHMS or ALGORITHMS[cfg.algo].in_loop(cfg),
+         f"rollout.max_staleness > 0 is an option of the rollout loop; algo={cfg.algo} here trains offline"),
+        (cfg.rollout.max_staleness == 0 or cfg.correction.mode != "none",
+         "rollout.max_staleness > 0 needs correction.mode other than none: the behaviour weight pi_prox / mu is "
+         "what corrects tokens sampled by older weights (docs/async.md)"),
+        (cfg.rollout.max_staleness == 0 or cfg.rollout.engine in ("auto", "hf", "vllm"),
+         "rollout.max_staleness > 0 needs an engine in this process that tags each token with its policy version "
+         f"and takes weights between decode steps: rollout.engine vllm, hf or auto (got {cfg.rollout.engine})"),
         (cfg.agent.concurrency >= 1, "agent.concurrency must be >= 1"),
         (cfg.agent.timeout_s > 0, "agent.timeout_s must be > 0"),
         (cfg.agent.entry is None or ":" in cfg.agent.entry,

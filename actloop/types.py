@@ -110,6 +110,9 @@ class Turn:
     env_ids: tuple[int, ...] = ()
     malformed_tool_call: bool = False
     reward: float | None = None  # per-turn reward from the environment, when it gives one
+    # [T_turn] the policy version (weight syncs so far) that sampled each token; () = not counted by the
+    # engine. Several versions in one turn: the engine's weights were updated in flight (rollout.max_staleness)
+    versions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,18 @@ class Trajectory:
     def transcript(self) -> str:
         """Every message after the prompt, as 'role: content' lines."""
         return "\n".join(f"{m.role}: {m.content}" for m in self.messages[len(self.prompt_messages):])
+
+    @property
+    def versions(self) -> list[int]:
+        """[sampled tokens] the policy version of each sampled token, in order ([] when the engine counts
+        none). An episode spans versions when weights changed between or inside its turns."""
+        return [v for t in self.turns for v in t.versions]
+
+    @property
+    def version_span(self) -> tuple[int, int] | None:
+        """(oldest, newest) policy version of the sampled tokens; None when not counted."""
+        vs = self.versions
+        return (min(vs), max(vs)) if vs else None
 
     @property
     def num_response_tokens(self) -> int:

@@ -38,6 +38,8 @@ class Algorithm:
     min_group       the smallest train.group_size it learns from in the rollout loop: 2 where a
                     trajectory is judged against the others of its prompt (a group of 1 is all
                     zero advantages, or no pair)
+    stale_refusal   why the algorithm refuses rollout.max_staleness > 0 (asynchronous RL); "" = it
+                    trains stale data with the decoupled loss (actloop.algos.offpolicy)
     doc             one line for `config show` and errors
     """
 
@@ -53,6 +55,7 @@ class Algorithm:
     online_key: str | None = None
     compare: dict[str, tuple[str, ...]] | None = None
     min_group: int = 1
+    stale_refusal: str = ""
 
     def estimator_key(self, turn_credit: bool = False) -> str | None:
         return self.turn_advantage if turn_credit and self.turn_advantage else self.advantage
@@ -103,9 +106,12 @@ ALGORITHMS: dict[str, Algorithm] = {
                      params={"gamma": "ppo.gamma", "lam": "ppo.lam"}, whiten=True),
     "dpo": Algorithm(None, "preference", "preference pairs (DPO/IPO), offline or online", section="dpo",
                      trainer="actloop.train.dpo:train_dpo", online_key="dpo.online", min_group=2,
+                     stale_refusal="the preference loss has no behaviour/proximal split: pairs sampled by older "
+                     "weights would be trained as the current policy's, with no importance weight",
                      compare={"dpo": ("dpo.online=true",), "dpo_offline": ("dpo.online=false",)}),
     "sft": Algorithm(None, "supervised", "supervised fine-tuning on assistant tokens", section="sft",
-                     trainer="actloop.train.sft:train_sft"),
+                     trainer="actloop.train.sft:train_sft",
+                     stale_refusal="it samples nothing: there is no rollout to run ahead of training"),
 }
 
 

@@ -50,6 +50,7 @@ class _Turn:
     malformed: bool
     env_messages: tuple[Message, ...] = ()
     env_ids: tuple[int, ...] = ()
+    versions: tuple[int, ...] = ()  # the policy version of each sampled token (Completion.versions)
 
 
 @dataclass
@@ -73,7 +74,8 @@ class Segment:
         finish = {"length": "length", "tool_calls": "tool_call"}
         turns = tuple(Turn(message=t.message, token_ids=t.token_ids, logprobs=t.logprobs,
                            finish_reason=finish.get(t.finish_reason, "stop"), env_messages=t.env_messages,
-                           env_ids=t.env_ids, malformed_tool_call=t.malformed) for t in self.turns)
+                           env_ids=t.env_ids, malformed_tool_call=t.malformed, versions=t.versions)
+                      for t in self.turns)
         return Trajectory(tuple(self.prompt_messages), tuple(self.prompt_ids), turns, row=row, info=info)
 
 
@@ -136,7 +138,7 @@ class EpisodeCapture:
             return Plan(list(prompt), Segment([], list(prompt), "ids"), False, 0, [])
 
     def record(self, plan: Plan, token_ids: tuple[int, ...], logprobs: tuple[float, ...], finish_reason: str,
-               parsed: Parsed, reply: Message) -> None:
+               parsed: Parsed, reply: Message, versions: tuple[int, ...] = ()) -> None:
         """Add the sampled turn. A call planned as an extension whose segment moved on meanwhile
         (two calls of one episode in flight at once) becomes a segment of its own."""
         with self._lock:
@@ -152,7 +154,8 @@ class EpisodeCapture:
                 else:
                     seg = plan.segment
                 self.segments.append(seg)
-            seg.turns.append(_Turn(reply, tuple(token_ids), tuple(logprobs), finish_reason, parsed.error is not None))
+            seg.turns.append(_Turn(reply, tuple(token_ids), tuple(logprobs), finish_reason, parsed.error is not None,
+                                   versions=tuple(versions)))
             seg.request_keys = [_key(m) for m in plan.messages]
             seg.reply_key = _key(reply)
 

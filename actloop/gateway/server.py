@@ -224,7 +224,7 @@ async def chat_completion(gw: Gateway, body: dict[str, Any], sid: str | None) ->
     finish = "length" if comp.finish_reason == "length" else ("tool_calls" if calls else "stop")
     reply = Message("assistant", content, tool_calls=parsed.tool_calls if calls else ())
     if capture is not None:
-        capture.record(plan, comp.token_ids, comp.logprobs, finish, parsed, reply)
+        capture.record(plan, comp.token_ids, comp.logprobs, finish, parsed, reply, comp.versions)
     message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         message["tool_calls"] = calls
@@ -287,7 +287,7 @@ async def completion(gw: Gateway, body: dict[str, Any], sid: str | None) -> dict
     text, _ = _cut_at_stop(gw.fmt.decode(comp.token_ids), params.stop)
     if capture is not None:
         capture.record(plan, comp.token_ids, comp.logprobs, comp.finish_reason,
-                       Parsed(text, None, (), None), Message("assistant", text))
+                       Parsed(text, None, (), None), Message("assistant", text), comp.versions)
     choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": "length" if comp.finish_reason == "length"
                               else "stop", "logprobs": None}
     if body.get("logprobs") is not None:

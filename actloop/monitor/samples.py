@@ -72,4 +72,18 @@ def sample_record(step: int, group: int, tag: str, s: Scored, max_chars: int = 2
         "truncated_context": t.truncated_context,
         "messages": messages,
         "row": {k: _jsonable(v) for k, v in t.row.items() if k != "prompt"},
+        **_versions(t),
     }
+
+
+def _versions(t: Any) -> dict[str, Any]:
+    """The policy versions of the trajectory's tokens (oldest, newest) and, running ahead of training
+    (rollout.max_staleness), its group's id and staleness at the update that trained it."""
+    out: dict[str, Any] = {}
+    span = t.version_span
+    if span is not None:
+        out["version_first"], out["version_last"] = span
+    policy = t.info.get("policy") or {}
+    if "staleness" in policy:
+        out["staleness"], out["group_id"] = policy["staleness"], policy["group_id"]
+    return out

@@ -51,6 +51,9 @@ class Completion:
     # MoE models: the top-k expert ids of every position the engine ran (prompt, then the sampled
     # tokens fed back), [len(prompt) + T - 1, MoE layers, k] int16; None for dense models
     routing: Any = None
+    # [T] the policy version (weight syncs so far) that sampled each token; () where the engine does not
+    # count versions. A request that spans an in-flight weight update has two or more (VLLMEngine)
+    versions: tuple[int, ...] = ()
 
 
 class Engine(Protocol):
@@ -66,6 +69,7 @@ class Engine(Protocol):
     own_thread        True when the engine computes on a thread of its own in this process and
                       `run(fn)` executes fn there (the trainer's update then goes through `run`,
                       so that one OpenMP pool computes); False: `run` calls fn in place
+    version           weight syncs so far: the policy version its Completions' `versions` name
     context_length    longest prompt + completion the engine takes (None: not known)
     """
 
@@ -93,6 +97,8 @@ class Engine(Protocol):
     def run_episodes(self, rows: list[dict[str, Any]], params: SamplingParams, max_turns: int) -> list[Any]: ...
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    def run_in_flight(self, fn: Any, *args: Any) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -139,6 +145,13 @@ class EngineBase:
         """fn(*args, **kwargs) on the thread that computes with the model: here the caller's. HFEngine
         runs it on its decode thread (see there); the trainer's update goes through this."""
         return fn(*args, **kwargs)
+
+    def run_in_flight(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the compute thread between two decode steps, the running requests kept in the
+        batch (paused while fn runs, then continued): the asynchronous loop's update and in-flight
+        weight sync (rollout.max_staleness > 0). Here, and on HFEngine, `run`: fn waits for the
+        running requests to finish their turn; VLLMEngine does not wait."""
+        return self.run(fn, *args)
 
     def close(self) -> None:
         q = self.__dict__.get("_submit_queue")
@@ -362,6 +375,7 @@ class HFEngine(EngineBase):
                     p.requires_grad_(False)
             use_small_batch_linears(self.model)  # fp32 / bf16 decode on the CPU: rollout/small_matmul.py
         self.generated_tokens = 0  # over the engine's life, for throughput metrics
+        self.version = 0  # weight syncs so far: every token a row samples carries it (run(fn) drains first)
         self.asleep = False  # sleep() released the copy's storage
         self._slept: list[tuple[Any, int]] = []  # (storage, bytes) that sleep() released, for wake()
         self._cache_kw = cache_kwarg(self.model)
@@ -395,6 +409,7 @@ class HFEngine(EngineBase):
     @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
         self.prefix_cache.clear()
+        self.version += 1
         if self.weights == "live" or self.shared:  # shared tensors: the new weights are already there
             return
         self.load_weights(merged_weights(model))
@@ -608,7 +623,8 @@ class HFEngine(EngineBase):
                 trace.step(self._routing.take(), rows)
             next_pos = next_pos + 1
         self.generated_tokens += sum(len(t) for t in tokens)
-        return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i], routing=trace.row(i) if trace else None)
+        return [Completion(tuple(tokens[i]), tuple(logps[i]), reasons[i], routing=trace.row(i) if trace else None,
+                           versions=(self.version,) * len(tokens[i]))
                 for i in range(B)]
 
     # ------------------------------------------------------------------ the continuous decode thread
@@ -742,7 +758,8 @@ class HFEngine(EngineBase):
 
     def _resolve(self, row: "_Row", reason: str) -> None:
         self.generated_tokens += len(row.tokens)
-        row.req.future.set_result(Completion(tuple(row.tokens), tuple(row.logps), reason))
+        row.req.future.set_result(Completion(tuple(row.tokens), tuple(row.logps), reason,
+                                             versions=(self.version,) * len(row.tokens)))
 
     def _take(self, row: "_Row", t: int, lp: float) -> str | None:
         """Append a sampled token; the finish reason when the row is finished, else None."""
@@ -783,6 +800,7 @@ class EngineCall:  # a run(fn) call waiting for the compute thread (HFEngine, VL
     args: tuple
     kwargs: dict
     future: Future
+    in_flight: bool = False  # run between two decode steps, the running requests kept (VLLMEngine.run_in_flight)
 
 
 @dataclass

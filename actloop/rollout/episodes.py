@@ -150,6 +150,7 @@ def _advance(ep: _Episode, comp: Any, renderer: Renderer, params: SamplingParams
             env_ids=tuple(env_ids),
             malformed_tool_call=malformed,
             reward=turn_reward,
+            versions=tuple(getattr(comp, "versions", ())),
         )
     )
     ep.ids += list(comp.token_ids) + env_ids

@@ -63,6 +63,7 @@ import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -330,14 +331,15 @@ class VLLMEngine(EngineBase):
                    sleep=r.vllm_sleep, max_model_len=r.vllm_max_model_len, prefix_caching=r.vllm_prefix_caching,
                    enforce_eager=r.vllm_enforce_eager, lora_rank=cfg.lora.r if lora else None,
                    adapter_dir=adapter_dir or Path(r.vllm_adapter_dir or Path(cfg.output_dir) / "vllm-adapters"),
-                   dtype=vllm_dtype(cfg.train.precision), seed=cfg.seed, routing=cfg.train.routing_replay, **kw)
+                   dtype=vllm_dtype(cfg.train.precision), seed=cfg.seed, routing=cfg.train.routing_replay,
+                   kv_after_update=r.kv_after_update, **kw)
 
     def __init__(self, model_path: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
                  sleep: bool = True, max_model_len: int = 4096, prefix_caching: bool = True,
                  enforce_eager: bool = False, lora_rank: int | None = None, adapter_dir: str | Path | None = None,
-                 dtype: str = "bfloat16", seed: int = 0, routing: bool = False, llm: Any = None,
-                 **llm_kwargs: Any):
+                 dtype: str = "bfloat16", seed: int = 0, routing: bool = False, kv_after_update: str = "recompute",
+                 llm: Any = None, **llm_kwargs: Any):
         import torch
 
         self.eos_token_ids = tuple(eos_token_ids)
@@ -354,6 +356,11 @@ class VLLMEngine(EngineBase):
         self._asleep = False
         self._weights_lost = False  # weights freed by sleep (GPU level 2, CPU packed weights), until the next sync
         self._inbox: queue.Queue = queue.Queue()
+        self._running: dict[str, tuple[Future, bool, list[tuple[int, int]]]] = {}  # the compute thread's
+        # what a weight sync does to the KV cache of requests it finds running (rollout.kv_after_update):
+        # "recompute" (vLLM preempts them and recomputes their prompt + tokens so far under the new weights)
+        # or "keep" (they continue on the KV the old weights computed: PipelineRL's choice)
+        self.kv_after_update = kv_after_update
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -416,7 +423,7 @@ class VLLMEngine(EngineBase):
             return
         ready.set_result(None)
         engine = self.llm.llm_engine
-        running: dict[str, tuple[Future, bool]] = {}  # request id -> (future, greedy)
+        running = self._running  # request id -> (future, greedy, [(first token index, version), ...])
         calls: list[EngineCall] = []
         while True:
             try:  # block only when nothing runs
@@ -427,7 +434,7 @@ class VLLMEngine(EngineBase):
                         return
                     if isinstance(item, EngineCall):
                         calls.append(item)
-                    elif not calls:  # requests wait while a run(fn) waits for the batch to drain
+                    elif all(c.in_flight for c in calls):  # requests wait while a run(fn) waits for the batch to drain
                         self._add(engine, item, running)
                     else:
                         self._inbox.put(item)
@@ -445,14 +452,15 @@ class VLLMEngine(EngineBase):
                     continue
                 for out in outs:
                     if out.finished and out.request_id in running:
-                        fut, greedy = running.pop(out.request_id)
+                        fut, greedy, spans = running.pop(out.request_id)
                         try:
                             comp = completion_from_vllm(out.outputs[0], greedy, len(out.prompt_token_ids or ()))
+                            comp = replace(comp, versions=token_versions(spans, len(comp.token_ids)))
                             self.generated_tokens += len(comp.token_ids)
                             fut.set_result(comp)
                         except Exception as e:
                             fut.set_exception(e)
-            if calls and not running:
+            if calls and (not running or all(c.in_flight for c in calls)):
                 for c in calls:
                     try:
                         c.future.set_result(c.fn(*c.args, **c.kwargs))
@@ -482,11 +490,11 @@ class VLLMEngine(EngineBase):
         except Exception as e:  # this request fails; the others go on
             fut.set_exception(e)
             return
-        running[rid] = (fut, params.greedy)
+        running[rid] = (fut, params.greedy, [(0, self.version)])
 
     @staticmethod
     def _fail(running: dict, calls: list, e: BaseException) -> None:
-        for fut, _ in running.values():
+        for fut, *_ in running.values():
             if not fut.done():
                 fut.set_exception(e)
         running.clear()
@@ -514,13 +522,21 @@ class VLLMEngine(EngineBase):
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) on the compute thread once no request runs; its result or its exception."""
+        return self._call(EngineCall(fn, args, kwargs, Future()))
+
+    def run_in_flight(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the compute thread right after the current decode step, the running requests
+        kept in vLLM's batch with their KV cache (paused while fn runs, continued after it): the
+        asynchronous loop's update and in-flight weight sync (PipelineRL's in-flight update)."""
+        return self._call(EngineCall(fn, args, {}, Future(), in_flight=True))
+
+    def _call(self, call: EngineCall) -> Any:
         if self._on_thread():
-            return fn(*args, **kwargs)
+            return call.fn(*call.args, **call.kwargs)
         if self._closed:
             raise RuntimeError("the engine was closed")
-        fut: Future = Future()
-        self._inbox.put(EngineCall(fn, args, kwargs, fut))
-        return fut.result()
+        self._inbox.put(call)
+        return call.future.result()
 
     def close(self) -> None:
         if self._closed:
@@ -608,7 +624,41 @@ class VLLMEngine(EngineBase):
         self._weights_lost = False
         if not self._cpu:  # a CPU's released KV cache comes back with the next request, not inside the update
             self._wake(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        # cached prefixes were computed with the old weights
+        if not self._running:
+            self.llm.reset_prefix_cache()
+            return
+        # an in-flight sync (run_in_flight): the running requests' next tokens are the new version's, on KV
+        # recomputed under the new weights (vLLM preempts them, then prefills prompt + tokens so far) or kept
+        outputs = self.llm.llm_engine.output_processor
+        for rid, (_, _, spans) in self._running.items():
+            spans.append((_num_output_tokens(outputs, rid), self.version))
+        self.llm.reset_prefix_cache(reset_running_requests=self.kv_after_update == "recompute")
+
+
+def _num_output_tokens(outputs: Any, rid: str) -> int:
+    """Tokens running request `rid` has output so far, from vLLM's output processor (which keys its
+    state by an internal id, the one we gave it plus a suffix)."""
+    state = outputs.request_states.get(rid)
+    if state is None:
+        internal = outputs.external_req_ids.get(rid) or []
+        state = outputs.request_states.get(internal[0]) if internal else None
+    if state is None:
+        raise RuntimeError(f"vLLM holds no output state for running request {rid}: cannot tell its tokens' versions")
+    detok = getattr(state, "detokenizer", None)
+    if detok is not None:
+        return detok.num_output_tokens()
+    return len(getattr(state.logprobs_processor, "logprobs", None) or [])
+
+
+def token_versions(spans: list[tuple[int, int]], n: int) -> tuple[int, ...]:
+    """[(first token index, version), ...] in order -> the version of each of n tokens: a request
+    that spanned in-flight weight syncs has its tokens before each sync under the older version."""
+    out: list[int] = []
+    for k, (start, version) in enumerate(spans):
+        end = spans[k + 1][0] if k + 1 < len(spans) else n
+        out += [version] * max(0, min(end, n) - len(out))
+    return tuple(out)
 
 
 def release_kv_cache(worker: Any) -> list[tuple[Any, int]]:

@@ -384,6 +384,7 @@ def truncate_jsonl(path: str | Path, step: int) -> int:
 # Keys a resumed run may not change: they decide what the checkpoint holds or which data comes next.
 # train.beta: the checkpoint carries the (adapted) KL coefficient, and 0 decides whether a reference model loads.
 FIXED_ON_RESUME = ("model", "seed", "algo", "data.", "lora.", "reward.", "ppo.critic", "train.prompts_per_step",
+                   "rollout.max_staleness",
                    "train.group_size", "train.beta")
 
 

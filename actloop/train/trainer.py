@@ -4,6 +4,7 @@ advantages, update, log, checkpoint. Maths lives in `actloop.algos`; this file o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -35,6 +36,7 @@ from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train import checkpoint, rundir
 from actloop.train.evaluate import component_means, eval_line, evaluate, run_batched
+from actloop.train.ahead import AheadRollouts
 from actloop.train.failures import (FailureGuard, FailureLog, RunAborted, classify, count_kinds, failure_metrics,
                                     masked_line, tool_line)
 from actloop.train.interrupt import GracefulStop
@@ -132,6 +134,18 @@ def rollout_groups(cfg: Config, task: LoadedTask, engine, renderer, sampler: Pro
             if keep[g] or (last and not kept):  # never end a step with nothing to train on
                 kept += scored[g * G : (g + 1) * G]
     return kept, dropped, scoring_s
+
+
+def rollouts_ahead(cfg: Config, task: LoadedTask, engine, renderer, sampler: PromptSampler, sampling: SamplingParams,
+                   version: int, run_dir: Path) -> AheadRollouts:
+    """The producer of rollout.max_staleness > 0 (actloop.train.ahead): `rollout_groups`' episodes and
+    scoring, a group at a time, running ahead of training."""
+    def run_group(eng, rows):
+        return run_batched(task, eng, renderer, rows, sampling, cfg.rollout.max_turns, cfg.rollout.max_context,
+                           cfg.rollout.max_batch, cfg.rollout.schedule)
+
+    return AheadRollouts(cfg, engine, sampler, run_group, lambda trajs: shape_rewards(cfg, task.rubric.score(trajs)),
+                         version, run_dir)
 
 
 def shape_rewards(cfg: Config, scored: list[Scored]) -> list[Scored]:
@@ -310,8 +324,12 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         torch.set_num_threads(compute_threads)
         one_compute_thread = False
     on_model_thread = engine.run if one_compute_thread else (lambda fn, *a: fn(*a))
+    if cfg.rollout.max_staleness and (dist.active or not one_compute_thread):
+        raise ConfigError("rollout.max_staleness > 0 runs in one process, with an engine that computes on a thread "
+                          "of its own (vllm, or hf on a model it batches continuously)")
     if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
+        engine.version = ckpt.step  # the policy version its tokens carry: updates so far
     models.policy = dist.prepare(cfg, models, engine)  # FSDP2 under torchrun, after the engine's copy
     critic = Critic(models.policy, cfg.ppo.critic) if alg.needs_critic else None
     param_groups = [{"params": [p for p in models.policy.parameters() if p.requires_grad], "lr": cfg.train.lr}]
@@ -322,7 +340,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     # IS correction is on by default when the engine samples from its own copy of the weights
     correction = cfg.correction.mode
     if correction == "auto":
-        correction = "tis_token" if engine.weights == "copy" else "none"
+        correction = "tis_token" if engine.weights == "copy" or cfg.rollout.max_staleness else "none"
     ctx = UpdateContext(cfg, models, optimizer, critic, cfg.train.beta, correction, dist=dist if dist.active else None)
     update_step = {"policy": rl_update, "preference": preference_update}[alg.loss]  # the row's declared loss
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -352,12 +370,17 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
         ctx.beta, summary, totals = state["beta"], state["summary"], state["totals"]
         summary["steps"] = cfg.train.steps
         start = ckpt.step + 1
-        for name in ("metrics.jsonl", "failures.jsonl", "samples.jsonl", "alarms.jsonl"):  # a killed step may have left a line (or half of one)
+        for name in ("metrics.jsonl", "failures.jsonl", "samples.jsonl", "alarms.jsonl", "groups.jsonl"):  # a killed step may have left a line (or half of one)
             checkpoint.truncate_jsonl(run_dir / name, ckpt.step)
         print_fn(f"resuming from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
     monitor = Monitor(dist.main_only(cfg), run_dir, print_fn)  # metrics.jsonl, samples, alarms, TensorBoard/W&B
     failure_log = FailureLog(run_dir / "failures.jsonl")
     stateful = {"monitor": monitor}  # components whose state_dict() rides in the checkpoint's `extra`
+    # rollout.max_staleness > 0: groups sampled ahead of training by a producer thread (None: synchronous)
+    ahead = (rollouts_ahead(cfg, task, engine, renderer, sampler, sampling, start - 1, run_dir)
+             if cfg.rollout.max_staleness else None)
+    if ahead is not None:
+        stateful["ahead"] = ahead  # the sampler as it left it, finished groups, running groups' rows
     if state is not None:
         for name, obj in stateful.items():
             if name in state.get("extra", {}) and hasattr(obj, "load_state_dict"):
@@ -409,33 +432,43 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     lend = uses_bf16_weights(cfg.train.precision, cfg.train.bf16_mode, sharded=dist.fsdp)
     bar = _progress(cfg.train.steps, progress)
     stop_msg, requested, last = None, None, start - 1
-    with GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar, frozen_gc():  # setup's objects: no GC walks
+    with (GracefulStop(print_fn, cfg.checkpoint.on_interrupt) as stop, bar, frozen_gc(),  # setup's objects: no GC walks
+          ahead or contextlib.nullcontext()):  # the producer samples from here to the loop's end
         task_id = bar.add_task("train", total=cfg.train.steps, completed=start - 1, reward=0.0, success=0.0)
         for step in range(start, cfg.train.steps + 1):
             t0 = time.time()
             # 1. roll out G episodes for each of the step's prompts (refilling all-equal groups)
             tok0, usage0, errors0, seen = engine.generated_tokens, _usage(task), len(task.rubric.errors), []
             with peaks("rollout"):  # generation, environment steps and scoring
-                scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling, seen=seen)
+                if ahead is None:
+                    scored, dropped, scoring_s = rollout_groups(cfg, task, engine, renderer, sampler, sampling, seen=seen)
+                else:  # the oldest groups the producer finished, within the staleness bound
+                    got = ahead.take(step)
+                    scored, dropped, scoring_s, seen = got.scored, got.dropped, got.scoring_s, got.seen
             t2 = time.time()
             t1 = t2 - scoring_s  # rollout time excludes scoring
             # 2. advantages and the policy update (actloop.train.update), then new weights to the engine;
             #    failed trajectories are masked (a step with nothing valid trains nothing)
             # a colocated vLLM frees its GPU memory for the update; an HF engine's bf16 copy becomes the
             # storage of the update's bf16 weights (train.bf16_mode=weights), refilled by the sync below
-            if lend:
+            # (running ahead, the engine keeps its memory: the producer's episodes go on through the update)
+            if lend and ahead is None:
                 ctx.lent_weights = engine.lend_weights(models.policy)
-            else:
+            elif ahead is None:
                 engine.sleep()
+            model_call = on_model_thread if ahead is None else engine.run_in_flight  # between two decode steps
+            ctx.version = step - 1  # the proximal policy: the weights before this update
             with peaks("update"), mmap_threshold(update_mmap_mb):
                 # rl_update, or online DPO's preference update, on the engine's thread (one thread computes)
-                upd = on_model_thread(update_step, ctx, scored, cfg.train.group_size)
+                upd = model_call(update_step, ctx, scored, cfg.train.group_size)
                 with warnings.catch_warnings():  # a step that trained nothing made no optimizer step
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                     scheduler.step()
                 t_sync = time.time()
-                on_model_thread(dist.sync_engine, engine, models.policy)  # FSDP: the gathered full weights
+                model_call(dist.sync_engine, engine, models.policy)  # FSDP: the gathered full weights
                 sync_s = time.time() - t_sync
+            if ahead is not None:
+                ahead.synced(step)  # the staleness bound moves on
             # 3. KL coefficient for the next step (fixed, or adaptive towards kl.target); a step that
             #    trained nothing (all masked) measured no KL: its 0.0 is a placeholder, beta stays
             if upd.get("trained_trajectories", 1):
@@ -451,6 +484,7 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
             record = step_metrics(step, dist.gather_lists(scored), cfg.train.group_size)  # all ranks' groups
             record.update(upd)
             record["dropped_groups"] = dropped
+            record.update(got.metrics if ahead is not None else {})  # staleness, waits (rollout.max_staleness)
             record.update(failure_metrics(failures, len(seen), cfg.failures))
             record.update(usage_delta(usage0, _usage(task)))
             record.update(

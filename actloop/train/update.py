@@ -25,9 +25,9 @@ import torch
 from actloop.algos import ALGORITHMS
 from actloop.algos.advantages import broadcast_to_tokens, masked_whiten, place_rewards_at_turn_ends
 from actloop.algos.batching import is_on_policy, minibatches, token_budget_batches
-from actloop.algos.correction import rollout_correction
 from actloop.algos.kl import KL_ESTIMATORS, kl_reward_penalty
-from actloop.algos.losses import clipped_pg_loss, token_weights, value_loss
+from actloop.algos.losses import token_weights, value_loss
+from actloop.algos.offpolicy import approx_proximal_logp, decoupled_pg_loss
 from actloop.config import Config, get_key
 from actloop.models import Models
 from actloop.monitor.metrics import mean
@@ -47,6 +47,7 @@ class UpdateContext:
     correction: str  # resolved IS-correction mode ("none" when the engine is the trainer's forward)
     dist: Any = None  # actloop.train.distributed.Dist under torchrun (docs/distributed.md); None = one process
     lent_weights: dict[int, torch.Tensor] | None = None  # the engine's bf16 tensors for the update's casts (lend_weights)
+    version: int = 0  # weight syncs before this update: the proximal policy's version (rollout.max_staleness)
 
 
 def _turn_ids(s: Scored) -> torch.Tensor:
@@ -71,6 +72,7 @@ class RolloutBatch:
     old_logp: torch.Tensor | None = None  # [B, T] policy before the update (None: not computed)
     ref_logp: torch.Tensor | None = None  # [B, T] reference policy (KL)
     values: torch.Tensor | None = None  # [B, T] critic at rollout time
+    versions: torch.Tensor | None = None  # [B, T] policy version of each token (proximal approximation only)
     moe_routing: bool = False  # some trajectory carries routing
 
     @classmethod
@@ -179,6 +181,15 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_ol
             secs["old_logp_s"] += t1 - t0
             secs["ref_s"] += time.perf_counter() - t1
     return secs
+
+
+def _versions(scored: list[Scored], mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] the policy version of each sampled token, in the packed layout (0 where not counted)."""
+    out = torch.zeros(mask.shape, dtype=torch.long)  # [B, T]
+    for i, s in enumerate(scored):
+        vs = s.trajectory.versions[: mask.shape[1]]
+        out[i, : len(vs)] = torch.tensor(vs, dtype=torch.long)
+    return out
 
 
 def estimator_name(cfg: Config) -> str:
@@ -318,6 +329,9 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
     need_old = not on_policy or need_values or (need_ref and cfg.kl.mode == "reward")
     batch = RolloutBatch.from_scored(scored)  # [B, T], once per step (episodes, then extra segments)
     fixed_s = {"old_logp_s": 0.0, "ref_s": 0.0}  # the per-phase seconds in the metrics
+    if (need_old and not need_ref and not need_values and cfg.rollout.max_staleness > 0
+            and t.proximal_logp == "loglinear"):  # the pass was for the proximal log-probs alone: approximated
+        need_old, batch.versions = False, _versions(scored, batch.mask)
     if need_old or need_ref:
         fixed_s = _fixed_pass(ctx, batch, valid, need_old, need_ref, need_values)
     n_ep = len(episodes)
@@ -408,20 +422,26 @@ def micro_batch_loss(ctx: UpdateContext, part: RolloutBatch, token_weights_args:
         m.update(routing_disagreement=out.routing_disagreement, router_disagreement=out.router_disagreement)
     mask = part.mask  # [b, T]
     logp = place(out.logp[out.mask], mask)  # [b, T] with gradient, in the batch's layout
-    old_logp = part.old_logp if part.old_logp is not None else logp.detach()
-    is_w = None
-    if ctx.correction != "none":
-        is_w, cm = rollout_correction(old_logp, part.engine_logp, mask, ctx.correction, cfg.correction.cap,
-                                      cfg.correction.upper, cfg.correction.lower)
-        m.update(cm)
+    # the proximal policy (the weights before this update): the fixed pass's, AReaL's approximation from each
+    # token's version (stale data, train.proximal_logp=loglinear), or on the one-step fast path the current one
+    if part.old_logp is not None:
+        old_logp = part.old_logp
+    elif part.versions is not None:
+        old_logp = approx_proximal_logp(part.engine_logp, logp, part.versions, ctx.version, mask)  # [b, T]
+    else:
+        old_logp = logp.detach()
     weights = token_weights(mask, t.loss_agg, *token_weights_args)  # [b, T]
     # the bonus needs entropy with gradient (an extra head pass); otherwise the forward's, for the metric
     entropy = (_entropy_with_grad(policy, part, cfg, routing) if t.entropy_coef > 0
                else place(out.entropy[out.mask], mask))  # [b, T]
-    loss, pm = clipped_pg_loss(logp, old_logp, part.advantages, weights, t.clip_eps, part.ref_logp, ctx.beta,
-                               cfg.kl.estimator, policy_loss=t.policy_loss, clip_low=t.clip_low, clip_high=t.clip_high,
-                               dual_clip=t.dual_clip, mask=mask, is_weights=is_w, entropy=entropy,
-                               entropy_coef=t.entropy_coef)
+    # the decoupled objective: clipped around the proximal policy, weighted by proximal / behaviour (the engine's
+    # log-probs: older weights under rollout.max_staleness > 0, the engine's numerics always), capped per correction.*
+    loss, pm = decoupled_pg_loss(logp, old_logp, part.engine_logp, part.advantages, weights, correction=ctx.correction,
+                                 cap=cfg.correction.cap, upper=cfg.correction.upper, lower=cfg.correction.lower,
+                                 mask=mask, clip_eps=t.clip_eps, ref_logp=part.ref_logp, beta=ctx.beta,
+                                 kl_estimator=cfg.kl.estimator, policy_loss=t.policy_loss, clip_low=t.clip_low,
+                                 clip_high=t.clip_high, dual_clip=t.dual_clip, entropy=entropy,
+                                 entropy_coef=t.entropy_coef)
     m.update(pm)
     if need_values:
         v = (ctx.critic.values_from_hidden(out.hidden) if ctx.critic.mode == "head"

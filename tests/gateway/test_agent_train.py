@@ -42,6 +42,19 @@ def test_plain_openai_tool_loop_trains(tmp_path):
     check_trained(metrics)
 
 
+@pytest.mark.slow
+def test_agent_trains_with_rollouts_ahead_of_training(tmp_path):
+    """rollout.max_staleness=1: the agent's episodes run on the producer's threads, through a gateway
+    of their own; every token's version reaches the trajectory through the gateway's capture."""
+    res, metrics = train(tiny(tmp_path, EXAMPLES / "openai_tool_loop.py:run", EXAMPLES / "rows.jsonl",
+                              "rollout.max_staleness=1", "train.steps=3", "monitor.sample_every=1"))
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["gateway/calls"] >= 4 and m["staleness_max"] <= 1 for m in metrics)
+    assert sum(m["trained_trajectories"] for m in metrics) > 0
+    samples = [json.loads(x) for x in (res.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all("version_first" in s and s["staleness"] <= 1 for s in samples)
+
+
 BAD_AGENT = '''
 import asyncio
 

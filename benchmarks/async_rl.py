@@ -1,0 +1,142 @@
+"""Asynchronous RL: steps and samples per minute at rollout.max_staleness K = 0, 1, 2 on a tool task
+whose tool answers in 1-2 s, as a remote API would.
+
+    python benchmarks/async_rl.py [--ks 0,1,2] [--repeats 1] [--steps 7] [--turns 3] [--engine auto]
+
+Each run is `actloop train` in a subprocess (a fresh engine: the default, vLLM's CPU build here) on
+`TASK` below: every assistant turn "calls" a lookup tool that sleeps uniform(1, 2) s, for `--turns`
+turns, then the episode ends; the reward (distinct words / words of the last reply) differs
+within groups, so every step really updates. 4 prompts x 4 samples a step, 24 new tokens a turn.
+Steps/min and samples/min come from the median `step_s` of the steps after the first (whose time
+includes the engine's warm-up): 60 / median; the mean (`steps_per_min_mean`) is printed too. K = 0 is the synchronous loop; K > 0 samples ahead. Runs
+alternate K (0, 1, 2, 0, 1, 2, ... with --repeats) and every run's numbers are printed as a JSON
+line, then the speed-up of each K over K = 0 (means over repeats; min-max in brackets).
+Hold `flock /tmp/actloop-bench.lock` while it runs on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from actloop import Task  # noqa: E402
+from actloop.envs.base import StepResult  # noqa: E402
+from actloop.types import Message  # noqa: E402
+
+TURNS = int(os.environ.get("ASYNC_RL_TURNS", "3"))
+TOPICS = ["lighthouses", "volcanoes", "honeybees", "glaciers", "comets", "coral reefs", "deserts", "owls",
+          "tides", "bamboo", "thunderstorms", "penguins"]
+
+
+class RemoteLookupEnv:
+    """Every assistant turn calls a remote lookup that answers in uniform(1, 2) s; the episode ends
+    after TURNS turns."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, row):
+        return [Message("user", f"Tell me one fact about {row['topic']}. You will get lookup results; "
+                                "add one new fact each time.")], []
+
+    def step(self, message):
+        self.n += 1
+        time.sleep(random.uniform(1.0, 2.0))  # the remote API's latency
+        return StepResult([Message("tool", f"lookup result {self.n}: found. Add another fact.")], done=self.n >= TURNS)
+
+
+def distinct_words(prompts, completions, **kwargs):
+    """Distinct words / words of the last reply: varies within a group, so groups carry signal."""
+    return [len(set(c.split())) / (len(c.split()) + 1) for c in completions]
+
+
+def splits(train_size, eval_size, seed, split):
+    rng = random.Random(f"{split}-{seed}")
+    return [{"topic": rng.choice(TOPICS)} for _ in range(train_size)], [{"topic": t} for t in TOPICS[:eval_size]]
+
+
+TASK = Task(name="remote_lookup", env=RemoteLookupEnv, rewards=[distinct_words], splits=splits,
+            description="benchmark: a tool that answers in 1-2 s")
+
+
+def run(k: int, args, out_dir: Path) -> dict:
+    name = f"k{k}-{int(time.time() * 1000) % 10**8}"
+    cmd = [sys.executable, "-m", "actloop", "train", f"data.task={Path(__file__).resolve()}:TASK",
+           f"rollout.max_staleness={k}", f"rollout.engine={args.engine}", f"train.steps={args.steps}",
+           "train.prompts_per_step=4", "train.group_size=4", "rollout.max_new_tokens=24", f"rollout.max_turns={args.turns}",
+           "rollout.temperature=1.0", "data.train_size=64", "data.eval_size=2", "train.eval_before=false",
+           "train.eval_after=false", "train.save_final=false", "checkpoint.every=0", "checkpoint.at_end=false",
+           f"output_dir={out_dir}", f"run_name={name}", "--no-progress", *args.extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ASYNC_RL_TURNS": str(args.turns)}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"K={k} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    lines = [json.loads(x) for x in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
+    steady = lines[1:]
+    step_s = [r["step_s"] for r in steady]
+    samples = sum(r["trained_trajectories"] for r in steady)
+    # the median step: a step slowed by another process on a shared machine does not move it
+    med = statistics.median(step_s)
+    rec = {"K": k, "steps_per_min": round(60 / med, 2), "samples_per_min": round(60 / med * samples / len(steady), 1),
+           "steps_per_min_mean": round(60 * len(steady) / sum(step_s), 2),
+           "step_s_min": min(step_s), "step_s_max": max(step_s), "wall_s": round(time.time() - t0, 1),
+           "load_1min_after": round(os.getloadavg()[0], 2),
+           "reward_mean_last": lines[-1]["reward_mean"]}
+    if k > 0:
+        rec.update(staleness_mean=round(sum(r["staleness_mean"] for r in steady) / len(steady), 2),
+                   staleness_max=max(r["staleness_max"] for r in steady),
+                   stale_dropped_groups=sum(r["stale_dropped_groups"] for r in lines),
+                   trainer_wait_s=round(sum(r["trainer_wait_s"] for r in steady), 1),
+                   engine_wait_s=round(sum(r["engine_wait_s"] for r in steady), 1))
+        hist: dict[int, int] = {}
+        for line in (out_dir / name / "groups.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "trained":
+                hist[e["staleness"]] = hist.get(e["staleness"], 0) + 1
+        rec["staleness_histogram"] = dict(sorted(hist.items()))
+    rec["update_s_mean"] = round(sum(r["update_s"] for r in steady) / len(steady), 2)
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ks", default="0,1,2")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--engine", default="auto")
+    ap.add_argument("extra", nargs="*", help="more `key=value` overrides for every run")
+    args = ap.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    load = os.getloadavg()
+    print(json.dumps({"load_before": [round(x, 2) for x in load]}), flush=True)
+    results: dict[int, list[dict]] = {k: [] for k in ks}
+    with tempfile.TemporaryDirectory(prefix="async-rl-") as tmp:
+        for _ in range(args.repeats):
+            for k in ks:
+                rec = run(k, args, Path(tmp))
+                results[k].append(rec)
+                print(json.dumps(rec), flush=True)
+    print(json.dumps({"load_after": [round(x, 2) for x in os.getloadavg()]}))
+    base = sum(r["steps_per_min"] for r in results[ks[0]]) / len(results[ks[0]])
+    for k in ks:
+        spm = [r["steps_per_min"] for r in results[k]]
+        print(f"K={k}: {sum(spm) / len(spm):.2f} steps/min [{min(spm):.2f}-{max(spm):.2f}], "
+              f"{sum(r['samples_per_min'] for r in results[k]) / len(spm):.1f} samples/min, "
+              f"x{sum(spm) / len(spm) / base:.2f} over K={ks[0]}")
+
+
+if __name__ == "__main__":
+    main()
