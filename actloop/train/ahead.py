@@ -204,10 +204,10 @@ class AheadRollouts:
                 self.finished.sort(key=lambda g: (g.first_version, g.gid))  # oldest first
                 while self.finished and len(out) < self.P - min(last_chance, self.P - len(out)):
                     out.append(self.finished.pop(0))
+                    self.trained += 1  # still admitted while this take waits for the rest (the bound)
                 if len(out) < self.P:
                     self.cond.notify_all()  # a stale drop freed places
                     self.cond.wait()
-            self.trained += self.P
             wait_s = time.time() - t0
             gate_s = self.gate_closed_s + (time.time() - self._gate_since if self._gate_since else 0.0)
             self.gate_closed_s = 0.0

@@ -141,6 +141,27 @@ def test_k1_run_trains_stale_groups_with_the_decoupled_loss(tmp_path, tiny_qwen3
     assert any(not torch.equal(trained[k], base[k].float()) for k in trained if k in base)
 
 
+@pytest.mark.slow
+def test_loglinear_proximal_skips_the_fixed_pass(tmp_path, tiny_qwen3_dir, monkeypatch):
+    """K = 1 with two optimizer steps a batch and train.proximal_logp=loglinear: the proximal
+    log-probs are approximated from each token's version (no no-grad pass); the formula's numbers
+    are tests/algos/test_offpolicy.py's."""
+    from actloop.config import load_config
+    from actloop.train import update
+    from actloop.train.trainer import train
+
+    passes = []
+    original = update._fixed_pass
+    monkeypatch.setattr(update, "_fixed_pass", lambda *a, **k: (passes.append(1), original(*a, **k))[1])
+    args = tiny(tmp_path, "loglinear", tiny_qwen3_dir, steps=3)[1:-1] + ["train.minibatch_size=2",
+                                                                            "train.proximal_logp=loglinear"]
+    res = train(load_config(None, args), progress=False, print_fn=lambda *a: None)
+    metrics = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not passes  # no proximal forward pass
+    assert all(m["optimizer_steps"] == 2 and m["trained_trajectories"] == 4 for m in metrics)
+    assert max(m["staleness_max"] for m in metrics) == 1  # stale tokens: alpha 1/2 in the approximation
+
+
 # --- the producer's bookkeeping, without a model (fast) ---------------------------------------------
 
 import threading  # noqa: E402
