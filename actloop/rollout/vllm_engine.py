@@ -705,8 +705,41 @@ def load_into_worker(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
     layer's post-load processing and resets LoRA/encoder state; else the model's `load_weights`."""
     if _layerwise_reload(worker):
         worker.reload_weights(weights_iterator=weights)
+        repack_tied_weights(worker.model_runner.model)
     else:
         worker.model_runner.model.load_weights(weights)
+
+
+def repack_tied_weights(model: Any) -> int:
+    """Re-run the post-load processing of each layer whose weight is another layer's (a head tied
+    to the embeddings). vLLM's loaders skip a tied head's name, so the layerwise reload processes
+    only the embedding and puts the head's old kernel tensors back ("ParallelLMHead: Failed to
+    load weights"): the weight itself is shared and new, but on the CPU build the head's packed
+    GEMM copy of it is the old one, and the engine would sample from a stale head (mean log-prob
+    gap 3.3 against the trainer after a change to SmolLM2's embeddings). Returns the layers redone."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    redone = 0
+    for module in model.modules():
+        weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
+        if weight is None or method is None or weight.is_meta or weight.numel() == 0:
+            continue
+        key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape))
+        if key in seen:
+            method.process_weights_after_loading(module)
+            redone += 1
+        seen.add(key)
+    return redone
+
+
+class WorkerExtension:
+    """Methods actloop calls on a `vllm serve` worker through POST /collective_rpc; start the server
+    with `--worker-extension-cls actloop.rollout.vllm_engine.WorkerExtension` for `sync="path"`."""
+
+    def repack_tied_weights(self) -> int:
+        return repack_tied_weights(self.model_runner.model)
+
+
+WORKER_EXTENSION = f"{__name__}.{WorkerExtension.__qualname__}"
 
 
 def _layerwise_reload(worker: Any) -> bool:
@@ -839,7 +872,9 @@ class VLLMServerEngine(EngineBase):
     on the same machine, a shared filesystem across machines) and the server reloads them in place:
     POST /pause?mode=wait (requests in flight finish on the old weights), POST /collective_rpc
     `reload_weights(weights_path=...)` (vLLM's layerwise reload, the same post-load processing as
-    the colocated sync), POST /update_weight_version, /reset_prefix_cache, /resume.
+    the colocated sync; then the worker extension's `repack_tied_weights`, which needs the server
+    started with `--worker-extension-cls actloop.rollout.vllm_engine.WorkerExtension`),
+    POST /update_weight_version, /reset_prefix_cache, /resume.
 
     The server's version is checked before every generation: with full weights its
     GET /weight_info must answer the version string this engine set last (`<run token>-<N>`: a
@@ -988,6 +1023,13 @@ class VLLMServerEngine(EngineBase):
         try:
             self._post("/collective_rpc", {"method": "reload_weights",
                                            "kwargs": {"weights_path": str(path.resolve())}})
+            try:
+                self._post("/collective_rpc", {"method": "repack_tied_weights"})
+            except HTTPError as e:
+                raise RuntimeError(f"vLLM server {self.base_url} cannot re-process a tied head after a reload "
+                                   f"({e}): start it with --worker-extension-cls {WORKER_EXTENSION} (without it a "
+                                   "head tied to the embeddings keeps the old weights on vLLM's CPU build; "
+                                   "see docs/engines.md)") from None
             self._post("/update_weight_version", {"new_version": self.version_string()})
             self._post("/reset_prefix_cache", optional=True)
         finally:

@@ -27,6 +27,7 @@ from actloop.rollout.vllm_engine import (
     load_into_worker,
     parse_completions,
     rendezvous_address,
+    repack_tied_weights,
     save_adapter,
     vllm_max_lora_rank,
     vllm_sampling_kwargs,
@@ -166,7 +167,8 @@ class _Runner:
     """vLLM >= 0.1x model runner: reload_weights takes the tensors (layerwise reload)."""
 
     def __init__(self, calls):
-        self.calls, self.model = calls, SimpleNamespace(load_weights=lambda w: calls.append(("direct", list(w))))
+        self.calls, self.model = calls, SimpleNamespace(load_weights=lambda w: calls.append(("direct", list(w))),
+                                                        modules=lambda: [])
 
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
         self.calls.append(("load", [n for n, _ in weights_iterator]))
@@ -236,6 +238,20 @@ def test_load_into_worker_uses_reload_weights_else_load_weights():
     assert calls == [("direct", ["a"])]
 
 
+def test_a_layer_tied_to_another_is_processed_again_after_a_reload():
+    import torch
+
+    processed = []
+    method = SimpleNamespace(process_weights_after_loading=lambda m: processed.append(m.name))
+    embed = torch.nn.Parameter(torch.ones(4, 2))
+    layers = [SimpleNamespace(name="embed", weight=embed, quant_method=method),
+              SimpleNamespace(name="norm", weight=torch.nn.Parameter(torch.ones(2)), quant_method=method),
+              SimpleNamespace(name="head", weight=embed, quant_method=method),  # tied: the same tensor
+              SimpleNamespace(name="other", weight=torch.nn.Parameter(torch.ones(4, 2)), quant_method=method)]
+    assert repack_tied_weights(SimpleNamespace(modules=lambda: layers)) == 1
+    assert processed == ["head"]
+
+
 def test_colocated_lora_sleeps_at_level_1_and_sends_a_new_adapter(tmp_path):
     pytest.importorskip("vllm", reason="LoRARequest comes from vllm")
     llm = _FakeLLM()
@@ -254,6 +270,7 @@ class _FakeServer:
     def __init__(self, missing=("/start_weight_update",), world_size=2):
         self.requests, self.missing, self.world_size = [], set(missing), world_size
         self.adapters, self.weight_version = [], "default"  # as vLLM: loaded LoRA names, GET /weight_info
+        self.worker_methods = {"reload_weights", "repack_tied_weights"}  # with actloop's worker extension
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -289,6 +306,8 @@ class _FakeServer:
                     fake.adapters.append(body["lora_name"])
                 elif self.path == "/v1/unload_lora_adapter":
                     fake.adapters.remove(body["lora_name"])
+                elif self.path == "/collective_rpc" and body["method"] not in fake.worker_methods:
+                    return self._reply(500, {"error": f"'CPUWorker' object has no attribute '{body['method']}'"})
                 elif self.path == "/update_weight_version":
                     fake.weight_version = body["new_version"]
                 self._reply(200, {})
@@ -377,10 +396,11 @@ def test_server_path_sync_writes_safetensors_and_reloads_in_place_then_checks_th
     eng.sync_weights(model)
     eng.sync_weights(model)
     calls = [p for m, p, _ in server.requests if m == "POST" and p != "/v1/completions"]
-    assert calls == ["/pause?mode=wait", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
-                     "/resume"] * 2
-    assert server.posts("/collective_rpc")[1] == {"method": "reload_weights",
-                                                 "kwargs": {"weights_path": str((tmp_path / "v2").resolve())}}
+    assert calls == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/update_weight_version",
+                     "/reset_prefix_cache", "/resume"] * 2
+    assert server.posts("/collective_rpc")[2:] == [
+        {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "v2").resolve())}},
+        {"method": "repack_tied_weights"}]  # a head tied to the embeddings processed again
     assert [p.name for p in tmp_path.iterdir()] == ["v2"]  # only the newest kept
     saved = load_file(str(tmp_path / "v2" / "model.safetensors"))
     assert torch.equal(saved["lin.weight"], model.lin.weight.detach().to(torch.bfloat16))
@@ -389,6 +409,10 @@ def test_server_path_sync_writes_safetensors_and_reloads_in_place_then_checks_th
     server.weight_version = "default"  # restarted
     with pytest.raises(StaleServerError, match="holds weight version 'default', not this run's latest"):
         eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    server.worker_methods.discard("repack_tied_weights")  # a server started without actloop's extension
+    with pytest.raises(RuntimeError, match="--worker-extension-cls actloop.rollout.vllm_engine.WorkerExtension"):
+        eng.sync_weights(model)
+    assert server.requests[-1][1] == "/resume"  # the server is not left paused
 
 
 def test_tied_tensors_are_written_once_under_the_first_name():

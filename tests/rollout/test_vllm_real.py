@@ -91,6 +91,24 @@ def test_a_weight_sync_changes_what_it_samples_and_the_same_weights_do_not(engin
     assert _greedy(engine, prompts) == before
 
 
+def test_a_sync_of_tied_embeddings_reaches_the_head_too(engine, policy, renderer):
+    """SmolLM2 ties its head to its embeddings: the trainer's state dict holds the tensor twice,
+    vLLM's model once. A change to it must reach both the input embedding and the output head."""
+    assert policy.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()
+    prompt = _prompt(renderer)
+    changed = copy.deepcopy(policy)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        w = changed.model.embed_tokens.weight
+        w.add_(torch.randn(w.shape, generator=g).to(w.device) * w.std() * 0.5)
+    assert changed.lm_head.weight.data_ptr() == changed.model.embed_tokens.weight.data_ptr()
+    engine.sleep()  # as in training: the update runs with the engine asleep, then the sync
+    engine.sync_weights(changed)
+    try:
+        assert _mean_gap(engine, changed, prompt) < 0.1
+    finally:
+        engine.sync_weights(policy)
+
 def test_the_memory_released_for_the_update_comes_back_with_the_sync(engine, policy, renderer):
     prompts = [_prompt(renderer)] * 2
     before = _greedy(engine, prompts)
@@ -163,3 +181,4 @@ def test_lora_adapters_are_sampled_through_lora_requests(engine, model_dir, rend
         assert _greedy(lora, prompts) != base
     finally:
         lora.close()
+

