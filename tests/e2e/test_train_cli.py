@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "data.eval_size=3", "data.train_size=20",
-        "rollout.max_new_tokens=24", "rollout.max_turns=2", "--no-progress"]
+        "rollout.max_new_tokens=24", "rollout.max_turns=2", "rollout.vllm_enforce_eager=true", "--no-progress"]
 
 
 def run_cli(*args, cwd=ROOT):

@@ -14,7 +14,7 @@ EXAMPLES = sorted((ROOT / "examples" / "tasks").glob("*.py"))
 TINY = ["train.steps=2", "train.prompts_per_step=2", "train.group_size=2", "data.train_size=8", "data.eval_size=2",
         "rollout.max_new_tokens=40", "rollout.max_turns=3", "train.eval_before=false", "train.eval_after=false",
         "train.save_final=false", "checkpoint.every=0", "checkpoint.at_end=false", "checkpoint.on_interrupt=false",
-        "train.threads=1", "--no-progress"]
+        "train.threads=1", "rollout.vllm_enforce_eager=true", "--no-progress"]
 
 
 def run_cli(*args, cwd=ROOT):

@@ -132,7 +132,9 @@ def test_k1_run_trains_stale_groups_with_the_decoupled_loss(tmp_path, tiny_qwen3
     assert all({"staleness_mean", "staleness_max", "stale_dropped_groups", "trainer_wait_s", "engine_wait_s"} <= set(m)
                for m in metrics)
     assert [m["staleness_max"] for m in metrics][0] == 0 and max(m["staleness_max"] for m in metrics) == 1
-    assert all(m["trained_trajectories"] == 4 and m["grad_norm"] > 0 for m in metrics)
+    assert all(m["trained_trajectories"] == 4 and m["grad_norm"] > 0 for m in metrics), [
+        (m["step"], m["trained_trajectories"], m["grad_norm"], m["stale_dropped_groups"], m.get("failed_rollouts"))
+        for m in metrics]
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
