@@ -1,11 +1,10 @@
-"""What the DPO and SFT trainers share with each other (and mirror from the GRPO loop): seeding,
-the run directory, the held-out evaluation task, the engine, optimizer, held-out greedy eval
-before/after, the final checkpoint and summary.json with the same keys as a GRPO run."""
+"""What the DPO and SFT trainers share with each other: the held-out evaluation task, the model and
+engine, the optimizer, the schedule of an offline run, the final model. The run's bookkeeping is the
+GRPO loop's own `actloop.train.run.Run`."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -17,12 +16,10 @@ from actloop.algos.batching import minibatches
 from actloop.config import Config
 from actloop.tasks import LoadedTask, build_task
 from actloop.models import Models, load_models
-from actloop.monitor.metrics import JsonlSink, mean
 from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
-from actloop.train.evaluate import eval_line, evaluate
-from actloop.train.optim import adamw, drop_state
-from actloop.train.trainer import RunResult, make_run_dir, setup_process, write_problems
+from actloop.train.optim import adamw, warmup_schedule
+from actloop.train.run import Run, setup_process
 
 
 def eval_task(cfg: Config) -> LoadedTask:
@@ -48,77 +45,36 @@ def describe_eval(cfg: Config, task: LoadedTask) -> str:
     return f"{held} (data.path holds the training data; set data.eval_path to evaluate on your own rows)"
 
 
-class Run:
-    """One training run's plumbing; the trainers own the loop in between."""
+def offline_run(cfg: Config, print_fn=print) -> Run:
+    """The run of an offline trainer (DPO, SFT): its `Run` (the GRPO loop's bookkeeping), the model,
+    and the same engine as the GRPO loop (its own bf16 copy, LoRA merged in), so that eval_before of
+    every algorithm on one model is the same number."""
+    setup_process(cfg)
+    task = eval_task(cfg)  # checked before the run directory exists
+    run = Run(cfg, task, print_fn)
+    run.summary["algo"] = cfg.algo
+    if (cfg.train.eval_before or cfg.train.eval_after) and task.eval_rows:
+        print_fn(f"evaluating on {describe_eval(cfg, task)}")
+    run.models = load_models(cfg.model, lora=cfg.lora, attn_implementation=cfg.train.attn_implementation)
+    run.renderer = Renderer.from_config(run.models.tokenizer, cfg)
+    run.engine = make_engine(cfg, run.models, run.renderer)
+    run.sync_before_eval = True  # the engine samples only to evaluate: it gets the weights then
+    run.open_logs(online=False)
+    return run
 
-    def __init__(self, cfg: Config, print_fn=print, need_reference: bool = False, task: LoadedTask | None = None):
-        setup_process(cfg)
-        self.cfg, self.print = cfg, print_fn
-        self.task: LoadedTask = task if task is not None else eval_task(cfg)  # checked before the run directory exists
-        self.run_dir: Path = make_run_dir(cfg)
-        print_fn(f"run directory: {self.run_dir}")
-        for note in self.task.info.get("notes", []):
-            print_fn(note)
-        if task is None and (cfg.train.eval_before or cfg.train.eval_after) and self.task.eval_rows:
-            print_fn(f"evaluating on {describe_eval(cfg, self.task)}")
-        self.models: Models = load_models(cfg.model, lora=cfg.lora, need_reference=need_reference,
-                                          attn_implementation=cfg.train.attn_implementation)
-        self.renderer = Renderer.from_config(self.models.tokenizer, cfg)
-        # the same engine as the GRPO loop (its own bf16 copy, LoRA merged in), so that
-        # eval_before of every algorithm on one model is the same number
-        self.engine = make_engine(cfg, self.models, self.renderer)
-        self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
-        self.summary: dict[str, Any] = {"task": self.task.name, "model": cfg.model, "algo": cfg.algo}
-        self.step_seconds: list[float] = []
-        self.trained_tokens = 0  # loss tokens of the offline trainers' batches (their throughput figure)
 
-    def optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
-        t = self.cfg.train
-        params = [p for p in self.models.policy.parameters() if p.requires_grad]
-        opt = adamw(params, t.lr, t.weight_decay, kind=t.optimizer)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / t.warmup_steps) if t.warmup_steps else 1.0)
-        return opt, sched
+def offline_optimizer(cfg: Config, models: Models) -> tuple[torch.optim.Optimizer, Any]:
+    params = [p for p in models.policy.parameters() if p.requires_grad]
+    opt = adamw(params, cfg.train.lr, cfg.train.weight_decay, kind=cfg.train.optimizer)
+    return opt, warmup_schedule(opt, cfg.train.warmup_steps)
 
-    def clip_and_step(self, optimizer, scheduler) -> float:
-        params = [p for p in self.models.policy.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm))
-        optimizer.step()
-        scheduler.step()
-        return grad_norm
 
-    def evaluate(self, label: str) -> None:
-        enabled = self.cfg.train.eval_before if label == "eval_before" else self.cfg.train.eval_after
-        if not enabled or not self.task.eval_rows:
-            return
-        self.engine.sync_weights(self.models.policy)
-        res = evaluate(self.engine, self.renderer, self.task, self.task.eval_rows, self.cfg.rollout.max_new_tokens,
-                       self.cfg.rollout.max_turns, max_context=self.cfg.rollout.max_context,
-                       max_batch=self.cfg.rollout.max_batch, keep_problems=True)
-        self.summary[label] = write_problems(self.run_dir, label, res)
-        self.print(eval_line(label, res))
-
-    def log(self, record: dict[str, Any], seconds: float) -> None:
-        self.sink.log(record)
-        self.step_seconds.append(seconds)
-        self.trained_tokens += int(record.get("tokens", 0))
-
-    def finish(self, optimizer: torch.optim.Optimizer | None = None) -> RunResult:
-        """Summary, final evaluation, final/; `optimizer`'s state is dropped first (no step follows)."""
-        if optimizer is not None:
-            drop_state(optimizer)
-        self.sink.close()
-        self.summary["steps"] = len(self.step_seconds)
-        self.summary["seconds_per_step"] = round(mean(self.step_seconds), 2)
-        if self.trained_tokens:  # offline: no generation to report, the data trained on instead
-            self.summary["trained_tokens_per_s"] = round(self.trained_tokens / max(sum(self.step_seconds), 1e-9), 1)
-        self.evaluate("eval_after")
-        if self.cfg.train.save_final:
-            final = self.run_dir / "final"
-            save_full_model(self.models, final)
-            self.summary["final_dir"] = str(final)
-        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
-        return RunResult(self.run_dir, self.summary)
+def clip_and_step(cfg: Config, models: Models, optimizer, scheduler) -> float:
+    params = [p for p in models.policy.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm))
+    optimizer.step()
+    scheduler.step()
+    return grad_norm
 
 
 def save_full_model(models: Models, out: Path) -> None:
@@ -152,14 +108,6 @@ def offline_schedule(cfg: Config, n: int, batch_size: int, epochs: int, what: st
     passes = math.ceil(total / per_epoch) if n else 0
     steps = minibatches(n, bs, passes, seed=cfg.seed)[:total]  # the update path's schedule (algos.batching)
     return [(k + 1, k // per_epoch + 1, idx) for k, idx in enumerate(steps)]
-
-
-def progress_bar(total: int, enabled: bool, label: str = "step"):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn(f"[bold]{label}"), MofNCompleteColumn(), BarColumn(),
-                    TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    disable=not enabled)
 
 
 class Timer:

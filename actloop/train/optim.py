@@ -145,3 +145,9 @@ def drop_state(optimizer: torch.optim.Optimizer) -> None:
     evaluation's peak."""
     optimizer.state.clear()
     optimizer.zero_grad(set_to_none=True)
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
+    """A linear warm-up of the learning rate over `warmup_steps` optimizer steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)

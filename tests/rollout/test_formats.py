@@ -178,7 +178,7 @@ def test_tool_output_never_becomes_control_tokens(tokenizers, fmt):
 
 def test_episode_that_outgrows_max_context_is_ended_and_counted(tokenizer):
     from actloop.monitor.samples import sample_record
-    from actloop.train.trainer import step_metrics
+    from actloop.train.run import step_metrics
 
     r = Renderer(tokenizer)
     call = SCRIPTS["hermes"][0]

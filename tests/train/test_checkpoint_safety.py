@@ -241,7 +241,7 @@ HOLD_SCRIPT = textwrap.dedent("""
 
 
 def test_a_second_run_into_a_held_directory_fails_at_once_naming_the_holder(tmp_path):
-    from actloop.train.trainer import make_run_dir, open_run
+    from actloop.train.run import make_run_dir, open_run
 
     script = tmp_path / "hold.py"
     script.write_text(HOLD_SCRIPT)
@@ -270,7 +270,7 @@ def test_a_second_run_into_a_held_directory_fails_at_once_naming_the_holder(tmp_
 
 
 def test_an_existing_run_name_is_refused_unless_overwrite(tmp_path):
-    from actloop.train.trainer import make_run_dir
+    from actloop.train.run import make_run_dir
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "run_name=r"])
     run = make_run_dir(cfg)

@@ -26,7 +26,7 @@ from actloop.sandbox import ExecResult, get_sandbox
 from actloop.sandbox import clock as sandbox_clock
 from actloop.train.failures import (FailureGuard, FailureLog, classify, failure_metrics, masked_line, no_answer,
                                     tool_line)
-from actloop.train.trainer import _usage, usage_delta
+from actloop.train.run import _usage, usage_delta
 
 
 def constant(prompts, completions, **kwargs):

@@ -250,7 +250,7 @@ def test_resume_refuses_a_changed_kl_coefficient(tmp_path):
 
 
 def test_resume_without_checkpoint_or_with_changed_data_fails_clearly(tmp_path):
-    from actloop.train.trainer import open_run
+    from actloop.train.run import open_run
 
     run = tmp_path / "run"
     run.mkdir()

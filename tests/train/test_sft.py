@@ -161,23 +161,23 @@ def test_sft_micro_batches_keep_the_token_budget_and_the_gradient(tiny_qwen3_dir
         start = {k: v.clone() for k, v in models.policy.state_dict().items()}
         opt = torch.optim.SGD(models.policy.parameters(), lr=1e-2)
 
-        def step(optimizer, scheduler):
+        def step(cfg, models, optimizer, scheduler):  # no clipping: the two gradients are compared as they are
             optimizer.step()
             return 0.0
 
         seen = []
-        real = sft.token_logprobs
+        real, clip_and_step = sft.token_logprobs, sft.clip_and_step
 
         def recording(policy, ids, mask, *a, **kw):
             seen.append(sorted(len(x) for x in ids))
             return real(policy, ids, mask, *a, **kw)
 
         cfg = load_config(None, ["algo=sft", "train.precision=fp32", f"train.max_tokens_per_microbatch={budget}"])
-        sft.token_logprobs = recording
+        sft.token_logprobs, sft.clip_and_step = recording, step
         try:
-            m = sft.sft_step(cfg, SimpleNamespace(models=models, clip_and_step=step), opt, None, seqs)
+            m = sft.sft_step(cfg, SimpleNamespace(models=models), opt, None, seqs)
         finally:
-            sft.token_logprobs = real
+            sft.token_logprobs, sft.clip_and_step = real, clip_and_step
         sizes.append(seen)
         changes.append({k: v - start[k] for k, v in models.policy.state_dict().items()})
         assert m["tokens"] == sum(s.num_loss_tokens for s in seqs)
