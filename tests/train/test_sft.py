@@ -17,7 +17,7 @@ from actloop.rollout.engine import SamplingParams
 from fixtures.teacher import TeacherEngine
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
-from actloop.train.pairs import gold_conversation, gold_sequences, load_sft_sequences, masked_spans
+from actloop.train.offline.pairs import gold_conversation, gold_sequences, load_sft_sequences, masked_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -151,8 +151,8 @@ def test_sft_micro_batches_keep_the_token_budget_and_the_gradient(tiny_qwen3_dir
     from types import SimpleNamespace
 
     from actloop.models import load_models
-    from actloop.train import sft
-    from actloop.train.pairs import Sequence
+    from actloop.train.offline import sft
+    from actloop.train.offline.pairs import Sequence
 
     seqs = [Sequence(tuple(range(5, 5 + n)), (0,) * 3 + (1,) * (n - 3)) for n in (12, 7, 20, 9)]
     changes, sizes = [], []

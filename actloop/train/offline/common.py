@@ -1,6 +1,6 @@
 """What the DPO and SFT trainers share with each other: the held-out evaluation task, the model and
 engine, the optimizer, the schedule of an offline run, the final model. The run's bookkeeping is the
-GRPO loop's own `actloop.train.run.Run`."""
+GRPO loop's own `actloop.train.runtime.run.Run`."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from actloop.tasks import LoadedTask, build_task
 from actloop.models import Models, load_models
 from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
-from actloop.train.optim import adamw, warmup_schedule
-from actloop.train.run import Run, setup_process
+from actloop.train.numerics.optim import adamw, warmup_schedule
+from actloop.train.runtime.run import Run, setup_process
 
 
 def eval_task(cfg: Config) -> LoadedTask:

@@ -1,4 +1,4 @@
-"""One training run's bookkeeping, for every trainer: the online RL loop (`actloop.train.trainer`),
+"""One training run's bookkeeping, for every trainer: the online RL loop (`actloop.train.rl.loop`),
 DPO and SFT. A trainer owns its loop and what a step computes; `Run` records around it:
 
     the run directory (new, or `resume=RUN_DIR` and its newest checkpoint)
@@ -38,14 +38,14 @@ from actloop.monitor.monitor import Monitor
 from actloop.rewards.judge import judge_usage
 from actloop.sandbox import clock as sandbox_clock
 from actloop.tasks import LoadedTask
-from actloop.train import checkpoint, rundir
-from actloop.train.distributed import Dist
-from actloop.train.evaluate import component_means, eval_line, evaluate
-from actloop.train.failures import (FailureGuard, FailureLog, RunAborted, classify, count_kinds, failure_metrics,
+from actloop.train.runtime import checkpoint, rundir
+from actloop.train.runtime.distributed import Dist
+from actloop.train.runtime.evaluate import component_means, eval_line, evaluate
+from actloop.train.runtime.failures import (FailureGuard, FailureLog, RunAborted, classify, count_kinds, failure_metrics,
                                     masked_line, tool_line)
-from actloop.train.interrupt import GracefulStop
-from actloop.train.memory import PhasePeaks, frozen_gc, set_mmap_threshold
-from actloop.train.optim import drop_state
+from actloop.train.runtime.interrupt import GracefulStop
+from actloop.train.runtime.memory import PhasePeaks, frozen_gc, set_mmap_threshold
+from actloop.train.numerics.optim import drop_state
 from actloop.types import Scored
 
 
@@ -77,7 +77,7 @@ def setup_process(cfg: Config) -> None:
 
 
 def make_run_dir(cfg: Config) -> Path:
-    """A new run directory, locked for this process (`actloop.train.rundir`): a name already used
+    """A new run directory, locked for this process (`actloop.train.runtime.rundir`): a name already used
     is refused unless `cfg.overwrite`, and one another live run holds is always refused."""
     name = cfg.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = rundir.prepare_new(Path(cfg.output_dir) / name, cfg.overwrite)

@@ -6,15 +6,15 @@ Offline (`algo=dpo`, the default `dpo.online=false`):
              policy log-probs of chosen + rejected ─► algos.dpo_loss ─► clip ─► AdamW
 
   The pairs come from `data.path` (JSONL rows `prompt`, `chosen`, `rejected`; see
-  `actloop.train.pairs`) or, without it, from the initial policy on `data.task` (calculator):
+  `actloop.train.offline.pairs`) or, without it, from the initial policy on `data.task` (calculator):
   `train.steps * train.prompts_per_step` training problems, `train.group_size` samples each,
   best vs worst reward per group (`algos.build_preference_pairs`, ties skipped), generated once
   at the start and written to RUN_DIR/pairs.jsonl. The reference is the initial policy, so its
   log-probs are computed with the policy itself before the first update and kept as numbers: no
   reference model is held during training.
 
-Online (`dpo.online=true`) is not here: it runs in the online loop of actloop.train.trainer with
-`actloop.train.preference.preference_update` as its update (failure guard, monitor, checkpoints
+Online (`dpo.online=true`) is not here: it runs in the online loop of actloop.train.rl.loop with
+`actloop.train.offline.preference.preference_update` as its update (failure guard, monitor, checkpoints
 and resume included). The loss on token log-probs (`preference_loss`) is shared.
 """
 
@@ -26,16 +26,16 @@ import torch
 
 from actloop.algos.dpo import build_preference_pairs
 from actloop.config import Config
+from actloop.data.sampler import PromptSampler
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
-from actloop.train.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
-from actloop.train.mixed_precision import update_precision
-from actloop.train.pairs import Pair, check_rows, load_preference_pairs, messages_json, parse_preference_row
-from actloop.train.preference import (online_dpo_loss, pairs_kl, preference_loss, scored_sequence,  # noqa: F401
+from actloop.train.offline.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
+from actloop.train.numerics.mixed_precision import update_precision
+from actloop.train.offline.pairs import Pair, check_rows, load_preference_pairs, messages_json, parse_preference_row
+from actloop.train.offline.preference import (online_dpo_loss, pairs_kl, preference_loss, scored_sequence,  # noqa: F401
                                       sequence_logps)
-from actloop.train.run import Run, RunResult, progress_bar
-from actloop.train.trainer import PromptSampler
+from actloop.train.runtime.run import Run, RunResult, progress_bar
 from actloop.types import Scored
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """SFT: supervised fine-tuning on (multi-turn, tool-using) conversations, loss on assistant tokens.
 
-    conversations ─► Renderer (as a rollout renders them; `actloop.train.pairs`) ─► ids + mask
+    conversations ─► Renderer (as a rollout renders them; `actloop.train.offline.pairs`) ─► ids + mask
                   ─► batches of sft.batch_size, sft.epochs passes ─► token-mean NLL ─► AdamW
 
 The data is `data.path` (JSONL rows with `messages`, or `prompt` + `completion`) or, without it,
@@ -30,14 +30,14 @@ import dataclasses
 
 from actloop.algos.batching import token_budget_batches
 from actloop.config import Config, ConfigError
+from actloop.data.sampler import PromptSampler
 from actloop.tasks.base import LoadedTask
 from actloop.tasks.registry import build_task
-from actloop.train.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
-from actloop.train.logprobs import token_logprobs
-from actloop.train.mixed_precision import update_precision
-from actloop.train.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
-from actloop.train.run import Run, RunResult, progress_bar
-from actloop.train.trainer import PromptSampler
+from actloop.train.offline.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
+from actloop.train.numerics.logprobs import token_logprobs
+from actloop.train.numerics.mixed_precision import update_precision
+from actloop.train.offline.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
+from actloop.train.runtime.run import Run, RunResult, progress_bar
 
 
 def sft_step(cfg: Config, run: Run, optimizer, scheduler, batch: list[Sequence]) -> dict[str, float]:
