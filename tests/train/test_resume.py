@@ -70,7 +70,9 @@ main()
 
 
 def start(args: list[str], wrapper: Path | None = None, **env: str) -> subprocess.Popen:
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    # this checkout's actloop, also for the wrapper script (whose own directory comes first on its path)
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env}
     cmd = [sys.executable, str(wrapper)] if wrapper else [sys.executable, "-m", "actloop"]
     return subprocess.Popen([*cmd, *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -29,16 +29,16 @@ from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_batched
 from actloop.rollout.factory import make_engine, resolve_engine
 from actloop.rollout.renderer import Renderer
-from actloop.train.runtime import checkpoint
-from actloop.train.rl.ahead import AheadRollouts
-from actloop.train.runtime.memory import mmap_threshold
 from actloop.train.numerics.mixed_precision import hold_in_bf16, uses_bf16_weights
-from actloop.train.rl.critic import Critic
-from actloop.train.runtime.distributed import Dist, init_distributed
 from actloop.train.numerics.optim import adamw, warmup_schedule
 from actloop.train.offline.preference import preference_update
-from actloop.train.runtime.run import Run, RunResult, StepResult, setup_process
+from actloop.train.rl.ahead import AheadRollouts
+from actloop.train.rl.critic import Critic
 from actloop.train.rl.update import UpdateContext, rl_update
+from actloop.train.runtime import checkpoint
+from actloop.train.runtime.distributed import Dist, init_distributed
+from actloop.train.runtime.memory import mmap_threshold
+from actloop.train.runtime.run import Run, RunResult, StepResult, setup_process
 from actloop.types import Scored
 
 
