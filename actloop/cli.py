@@ -24,10 +24,10 @@ from actloop.sandbox.cli import app as sandbox_app
 from actloop.gateway.agent import build_run_task
 from actloop.gateway.serve import build as build_server
 from actloop.tasks.registry import BUILTIN, build_task, find_row, grade_one, grade_rows, resolve
-from actloop.train.checkpoint import resume_config
-from actloop.train.compare import compare as _compare
-from actloop.train.evaluate import evaluate, row_question
-from actloop.train.failures import RunAborted
+from actloop.train.runtime.checkpoint import resume_config
+from actloop.tools.compare import compare as _compare
+from actloop.train.runtime.evaluate import evaluate, row_question
+from actloop.train.runtime.failures import RunAborted
 from actloop.train.trainer import train as run_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,  # help texts are plain: [key=value ...] stays

@@ -306,7 +306,7 @@ class TrainConfig:
         "auto", "AdamW's state: `adamw_8bit` (both moments block-wise 8-bit, bitsandbytes' kernels, Dettmers et "
         "al. 2022: 0.27 GB for the 135M model instead of 1.08 GB; the demo peaked at 4.2 GB with it where fp32 "
         "moments took 4.8, same learning), `adamw` (both fp32, torch's fused kernel), `adamw_bf16_momentum` "
-        "(first moment bf16: 269 MB less; actloop.train.optim.AdamWBf16Momentum), or `auto`: adamw_8bit wherever "
+        "(first moment bf16: 269 MB less; actloop.train.numerics.optim.AdamWBf16Momentum), or `auto`: adamw_8bit wherever "
         "bitsandbytes can step the parameters (one process, or torchrun without FSDP), adamw under FSDP.")
     mmap_threshold_mb: float = opt(
         0.0, "C-heap allocations of at least this many MiB get their own mapping, returned to the OS when freed "
@@ -374,7 +374,7 @@ class TrainConfig:
         "How the update computes when train.precision resolves to bf16: `weights` (each optimizer step's forwards "
         "and backwards run on bf16 copies of the fp32 master weights, bf16 activations, gradients summed in fp32: "
         "FSDP MixedPrecision(param_dtype=bf16) / Megatron's recipe, and the engine's bf16 numerics; "
-        "actloop.train.mixed_precision) or `autocast` (torch.autocast over the fp32 weights, an fp32 residual "
+        "actloop.train.numerics.mixed_precision) or `autocast` (torch.autocast over the fp32 weights, an fp32 residual "
         "stream: transformers Trainer's bf16=True). FSDP-sharded policies always use FSDP's own mixed precision.",
     )
     eval_before: bool = opt(True, "Evaluate greedy success on the held-out split before training.")

@@ -1,5 +1,5 @@
 """What a fixed glibc mmap threshold does to the resident set (`train.update_mmap_threshold_mb`,
-`actloop.train.memory.mmap_threshold`): the rollout's and the update's pattern, many multi-MiB
+`actloop.train.runtime.memory.mmap_threshold`): the rollout's and the update's pattern, many multi-MiB
 tensors freed while a later one lives, measured in fresh processes.
 
 - `dynamic` / `fixed`: 40 x 8 MiB tensors, all freed but the last. With glibc's dynamic threshold
@@ -23,7 +23,7 @@ import sys
 
 _FRAGMENT = """
 import sys, torch
-from actloop.train.memory import set_mmap_threshold
+from actloop.train.runtime.memory import set_mmap_threshold
 def rss():
     return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) // 1024
 if sys.argv[1] == "fixed":
@@ -39,7 +39,7 @@ print(rss() - base)
 
 _SCOPED = """
 import torch
-from actloop.train.memory import mmap_threshold
+from actloop.train.runtime.memory import mmap_threshold
 def rss():
     return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) // 1024
 def fragment():

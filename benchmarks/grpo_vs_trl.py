@@ -204,7 +204,7 @@ def run_trl(a, rows: Path, out_dir: Path) -> list[float]:
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=args, train_dataset=data,
                           processing_class=tok, peft_config=peft_config, callbacks=[Clock()])
     trainer.train()
-    from actloop.train.memory import rss_peak_mb
+    from actloop.train.runtime.memory import rss_peak_mb
 
     print("TOKENS " + json.dumps(tokens), flush=True)
     return ends[1:], rss_peak_mb()  # step ends only, as for actloop; TRL never resets VmHWM

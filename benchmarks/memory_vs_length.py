@@ -1,6 +1,6 @@
 """Peak memory of one training forward + backward against sequence length (1k to 8k tokens).
 
-It runs the actloop update path — `actloop.train.logprobs.token_logprobs` then a
+It runs the actloop update path — `actloop.train.numerics.logprobs.token_logprobs` then a
 sequence-mean policy-gradient loss and `backward()` — on one sequence of L tokens (a 64-token
 prompt, then L - 64 sampled tokens that carry the loss), on the embedded model in fp32 master
 weights with bf16 autocast, under four settings:
@@ -55,8 +55,8 @@ def child(a) -> None:
     import torch
 
     from actloop.models import load_models
-    from actloop.train.logprobs import token_logprobs
-    from actloop.train.memory import reset_rss_peak, rss_peak_mb
+    from actloop.train.numerics.logprobs import token_logprobs
+    from actloop.train.runtime.memory import reset_rss_peak, rss_peak_mb
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)

@@ -39,11 +39,12 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value), after --")
     a = ap.parse_args()
 
+    import actloop.train.rl.loop as loop
     import actloop.train.trainer as trainer
-    import actloop.train.update as update
+    import actloop.train.rl.update as update
     from actloop.config import load_config
-    from actloop.train.logprobs import prefix_plan
-    from actloop.train.memory import reset_rss_peak, rss_peak_mb
+    from actloop.train.numerics.logprobs import prefix_plan
+    from actloop.train.runtime.memory import reset_rss_peak, rss_peak_mb
 
     counts = {"micro": 0, "prompts": 0, "positions": 0}
     real_logprobs = update.token_logprobs
@@ -57,7 +58,7 @@ def main() -> None:
         return real_logprobs(model, seqs, masks, *args, **kw)
 
     update.token_logprobs = counting_logprobs
-    real_update = trainer.rl_update
+    real_update = loop.rl_update
     step = [0]
     results: dict[int, list[float]] = {b: [] for b in a.budgets}
 
@@ -89,7 +90,7 @@ def main() -> None:
         ctx.cfg.train.max_tokens_per_microbatch = keep
         return out
 
-    trainer.rl_update = timed_update
+    loop.rl_update = timed_update
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [f"train.steps={a.steps}", "train.eval_before=false", "train.eval_after=false",
                                  "train.eval_every=0", "train.save_final=false", "checkpoint.every=0",

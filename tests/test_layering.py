@@ -1,18 +1,21 @@
 """The package order of docs/architecture.md, checked over the source: every first-party import
 goes to the same package or one listed before it, sits at the top of its module (not inside a
 function, where it would hide a cycle), and names the defining module (not the `actloop` facade).
-The exceptions are the optional extras listed in OPTIONAL, each with its reason."""
+The exceptions are the optional extras listed in OPTIONAL, each with its reason. Inside `train/`
+the folders have an order of their own (TRAIN_ORDER), checked the same way."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "actloop"
 ORDER = ["types", "algos", "config", "sandbox", "models", "rewards", "envs", "data", "tasks", "rollout", "gateway",
-         "monitor", "train", "cli"]
+         "monitor", "train", "tools", "cli"]
+# train/'s folders, in import order; its top-level modules (trainer.py: the entry point) come last
+TRAIN_ORDER = ["numerics", "runtime", "offline", "rl"]
 # (module, imported module): function-level imports of optional extras, loaded only when chosen
 OPTIONAL = {
     ("actloop/rollout/factory.py", "actloop.rollout.ray_engine"): "rollout.engine=ray needs the ray extra",
-    ("actloop/train/optim.py", "actloop.train.optim8bit"): "train.optimizer=adamw_8bit: bitsandbytes costs 2 s to import",
+    ("actloop/train/numerics/optim.py", "actloop.train.numerics.optim8bit"): "train.optimizer=adamw_8bit: bitsandbytes costs 2 s to import",
 }
 
 
@@ -72,6 +75,32 @@ def violations() -> list[str]:
 
 def test_packages_import_only_earlier_layers_at_module_top():
     assert violations() == []
+
+
+def train_layer(parts: list[str]) -> int:
+    """The layer of a module or folder under actloop/train/ (its path after `train`): its folder's
+    place in TRAIN_ORDER, or after all of them for a top-level module."""
+    return TRAIN_ORDER.index(parts[0]) if parts[0] in TRAIN_ORDER else len(TRAIN_ORDER)
+
+
+def test_train_folders_import_only_earlier_folders():
+    out = []
+    train = ROOT / "train"
+    for path in sorted(train.rglob("*.py")):
+        rel = list(path.relative_to(train).with_suffix("").parts)
+        if rel == ["__init__"]:
+            continue
+        assert len(rel) == 1 or rel[0] in TRAIN_ORDER, f"{path}: folder `{rel[0]}` is not in TRAIN_ORDER"
+        for node in ast.walk(ast.parse(path.read_text())):
+            for mod in first_party(path, node):
+                parts = mod.split(".")
+                if parts[:2] != ["actloop", "train"] or len(parts) < 3:
+                    continue
+                target = parts[2:]
+                if target[0] in TRAIN_ORDER or (train / f"{target[0]}.py").exists():
+                    if train_layer(target) > train_layer(rel):
+                        out.append(f"{path.relative_to(ROOT.parent)}: train/{'/'.join(rel)} imports {mod} (a later folder)")
+    assert out == []
 
 
 def test_the_order_is_the_documented_one():

@@ -1,7 +1,7 @@
 """The one table of algorithms (`algo=...`): what each one computes and what it needs.
 
-Config validation (`actloop.config.validate`), the update (`actloop.train.update`), the trainer's
-dispatch, `actloop compare` and the torchrun check (`actloop.train.distributed`) all read
+Config validation (`actloop.config.validate`), the update (`actloop.train.rl.update`), the trainer's
+dispatch, `actloop compare` and the torchrun check (`actloop.train.runtime.distributed`) all read
 `ALGORITHMS`; none of them branches on an algorithm's name. An online algorithm is an advantage
 estimator (a key of `ADVANTAGE_ESTIMATORS`) fed to the policy loss (`train.policy_loss`); the
 inputs the update builds for it are the estimator's declared `inputs` (rewards, token rewards,
@@ -31,7 +31,7 @@ class Algorithm:
     whiten          whiten the token advantages over the batch's valid tokens (PPO's usual
                     normalisation, `masked_whiten`)
     torchrun        the multi-process update reproduces one process exactly (per-group advantages)
-    trainer         "online" (the rollout loop of actloop.train.trainer) or "module:function"
+    trainer         "online" (the rollout loop of actloop.train.rl.loop) or "module:function"
     online_key      a boolean config key that moves the algorithm into the rollout loop (its
                     `loss` then names the update the loop calls): `dpo.online`
     compare         `actloop compare` names -> the extra overrides that select each variant
@@ -105,12 +105,12 @@ ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm("gae", "policy", "GAE with a critic (PPO)", section="ppo",
                      params={"gamma": "ppo.gamma", "lam": "ppo.lam"}, whiten=True),
     "dpo": Algorithm(None, "preference", "preference pairs (DPO/IPO), offline or online", section="dpo",
-                     trainer="actloop.train.dpo:train_dpo", online_key="dpo.online", min_group=2,
+                     trainer="actloop.train.offline.dpo:train_dpo", online_key="dpo.online", min_group=2,
                      stale_refusal="the preference loss has no behaviour/proximal split: pairs sampled by older "
                      "weights would be trained as the current policy's, with no importance weight",
                      compare={"dpo": ("dpo.online=true",), "dpo_offline": ("dpo.online=false",)}),
     "sft": Algorithm(None, "supervised", "supervised fine-tuning on assistant tokens", section="sft",
-                     trainer="actloop.train.sft:train_sft",
+                     trainer="actloop.train.offline.sft:train_sft",
                      stale_refusal="it samples nothing: there is no rollout to run ahead of training"),
 }
 

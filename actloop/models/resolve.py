@@ -111,7 +111,7 @@ class Models:
 
     With LoRA, the reference is the same network with its adapter disabled (no second copy in
     memory); with full fine-tuning it is a frozen copy made before training (the trainer holds it
-    in bf16 under bf16 weights: `actloop.train.mixed_precision.hold_in_bf16`); with beta = 0 there
+    in bf16 under bf16 weights: `actloop.train.numerics.mixed_precision.hold_in_bf16`); with beta = 0 there
     is none.
     """
 

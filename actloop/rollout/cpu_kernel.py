@@ -84,17 +84,17 @@ KERNELS = {
     "rope_bf16": Kernel("rope_bf16.c", "actloop_rope_bf16", (*AVX512, *COMMON), CPU_AVX512, (_P,) * 3 + (_I,) * 9),
     "decode_layers_bf16": Kernel("decode_layers_bf16.c", "actloop_decode_layers_bf16", (*AVX512, "-mavx512bf16", *COMMON),
                                  (*CPU_AVX512, "avx512_bf16"), (_P,) * 7 + (_I,) * 9 + (_F,) * 2, ctypes.c_int),
-    # the trainer's lm_head softmax over bf16 logits (train/logprobs.py), forward and backward
+    # the trainer's lm_head softmax over bf16 logits (train/numerics/logprobs.py), forward and backward
     "head_logprob_bf16": Kernel("head_logprob_bf16.c", "actloop_head_logprob_bf16", (*AVX512, *COMMON), CPU_AVX512,
                                 (_P,) * 5 + (_I,) * 2 + (_F,)),
     "head_logprob_grad_bf16": Kernel("head_logprob_bf16.c", "actloop_head_logprob_grad_bf16", (*AVX512, *COMMON),
                                      CPU_AVX512, (_P,) * 4 + (_I,) * 2 + (_F,)),
-    # the trainer's RMSNorm of bf16 activations (train/fused_ops.py), forward and backward
+    # the trainer's RMSNorm of bf16 activations (rollout/fused_ops.py), forward and backward
     "rms_norm_fwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_fwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
                                 (_P,) * 4 + (_I,) * 2 + (_F,)),
     "rms_norm_bwd_bf16": Kernel("rms_norm_train_bf16.c", "actloop_rms_norm_bwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
                                 (_P,) * 7 + (_I,) * 3),
-    # the trainer's SiLU(gate) x up of bf16 activations (train/fused_ops.py), forward and backward
+    # the trainer's SiLU(gate) x up of bf16 activations (rollout/fused_ops.py), forward and backward
     "swiglu_fwd_bf16": Kernel("swiglu_train_bf16.c", "actloop_swiglu_fwd_bf16", (*AVX512, *COMMON), CPU_AVX512,
                               (_P,) * 3 + (_I,)),
     "swiglu_bwd_bf16": Kernel("swiglu_train_bf16.c", "actloop_swiglu_bwd_bf16", (*AVX512, *COMMON), CPU_AVX512,

@@ -449,7 +449,7 @@ class HFEngine(EngineBase):
 
     def lend_weights(self, model: Any) -> dict[int, torch.Tensor]:
         """`sleep` for an update that computes on bf16 copies of `model`'s weights
-        (actloop.train.mixed_precision.bf16_weights): instead of freeing the bf16 copy's storage,
+        (actloop.train.numerics.mixed_precision.bf16_weights): instead of freeing the bf16 copy's storage,
         hand its tensors to the update to cast the fp32 masters into, {id(parameter of model): the
         copy's tensor of that weight}. The update's bf16 weights then take no new memory and the
         next `sync_weights` no re-allocation (each was 270 MB of fresh pages a step for SmolLM2-135M,

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from actloop.envs.base import Env
 from actloop.rollout.engine import Engine, SamplingParams
 from actloop.rollout.renderer import Renderer
+from actloop.tasks.base import LoadedTask
 from actloop.types import Message, Trajectory, Turn
 
 MAX_EPISODE_THREADS = 256  # episodes in flight at once under the continuous schedule
@@ -223,3 +224,31 @@ def run_episodes(
     for ep in episodes:
         _close(ep)
     return [ep.trajectory() for ep in episodes]
+
+
+# --------------------------------------------------------------- a task's episodes, in batches
+
+
+def task_episodes(task: LoadedTask, engine: Engine, renderer: Renderer, rows: list[dict[str, Any]],
+                  params: SamplingParams, max_turns: int, max_context: int = 4096,
+                  schedule: str = "auto") -> list[Trajectory]:
+    """The task's episodes for `rows`, however they run: the task's own runner (the agent task
+    behind the gateway), whole episodes on the engine's workers (Ray), or the episode runner here."""
+    if task.rollout is not None:
+        return task.rollout(engine, renderer, task.make_env, rows, params, max_turns, max_context)
+    if engine.runs_episodes:
+        return engine.run_episodes(rows, params, max_turns, max_context)
+    return run_episodes(engine, renderer, task.make_env, rows, params, max_turns, max_context, schedule=schedule)
+
+
+def run_batched(task: LoadedTask, engine: Engine, renderer: Renderer, rows: list[dict[str, Any]],
+                params: SamplingParams, max_turns: int, max_context: int, max_batch: int = 0,
+                schedule: str = "auto") -> list[Trajectory]:
+    """`task_episodes` for `rows` (one each, in order), at most `max_batch` at once (0 = all): the
+    engine's memory grows with the episodes it runs together (rollout.max_batch)."""
+    size = max_batch if max_batch > 0 else max(len(rows), 1)
+    out: list[Trajectory] = []
+    for start in range(0, len(rows), size):
+        out += task_episodes(task, engine, renderer, rows[start : start + size], params, max_turns, max_context,
+                             schedule)
+    return out

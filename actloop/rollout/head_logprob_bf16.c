@@ -1,4 +1,4 @@
-/* The softmax side of the trainer's lm_head log-probs (`train/logprobs.py`'s `ChunkedHeadLogprob`) for bf16
+/* The softmax side of the trainer's lm_head log-probs (`train/numerics/logprobs.py`'s `ChunkedHeadLogprob`) for bf16
  * logits on a CPU with AVX-512, built and loaded by `actloop/rollout/cpu_kernel.py` (`head_logprob`,
  * `head_logprob_grad_`).
  *

@@ -1,5 +1,5 @@
 /* transformers' RMSNorm of bf16 rows, forward and backward, for the trainer's passes in bf16
- * (`train/fused_ops.py`), built and loaded by `actloop/rollout/cpu_kernel.py`.
+ * (`rollout/fused_ops.py`), built and loaded by `actloop/rollout/cpu_kernel.py`.
  *
  *   forward:  r = rsqrt(mean(x^2) + eps)  (fp32, per row, kept),  y = bf16(w * bf16(x r))
  *   backward: g = bf16(dy * w),  dx = bf16(r g - x r^3 mean(g x)),  dw = sum over rows of dy * bf16(x r)

@@ -1,5 +1,5 @@
 /* SiLU(gate) x up of bf16 activations, forward and backward, for the trainer's passes in bf16
- * (`train/fused_ops.py`), built and loaded by `actloop/rollout/cpu_kernel.py`.
+ * (`rollout/fused_ops.py`), built and loaded by `actloop/rollout/cpu_kernel.py`.
  *
  *   forward:  s = bf16(silu(g)),  a = bf16(s u)
  *   backward: du = bf16(da s),  ds = bf16(da u),  dg = bf16(ds sig(g) (1 + g (1 - sig(g))))

@@ -53,7 +53,7 @@ class Task:
     gold_trace: row -> the reference episode as messages, everything after the environment's
         prompt (assistant turns with their `tool_calls`, the `tool` results the environment would
         answer, the final answer), or None for a row that has none. `algo=sft` without
-        `data.path` trains on these (`actloop.train.pairs.gold_sequences`); None: no gold traces.
+        `data.path` trains on these (`actloop.train.offline.pairs.gold_sequences`); None: no gold traces.
     description: one line for `actloop tasks`.
     id_field: the column `actloop grade --id` looks rows up by (else the row's index).
     eval_only: no training split (an evaluation set).

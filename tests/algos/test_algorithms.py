@@ -39,8 +39,8 @@ def test_turn_credit_refused_for_an_algorithm_without_a_turn_estimator():
 
 
 def test_compare_and_torchrun_read_the_table():
-    from actloop.train.compare import ALGORITHMS as COMPARE
-    from actloop.train.distributed import check_supported
+    from actloop.tools.compare import ALGORITHMS as COMPARE
+    from actloop.train.runtime.distributed import check_supported
 
     assert {v[0].split("=")[1] for v in COMPARE.values()} == set(ALGORITHMS)
     for name, a in ALGORITHMS.items():

@@ -122,7 +122,7 @@ def test_per_source_metrics():
 
 def test_periodic_eval_line_carries_each_source():
     """metrics.jsonl at a periodic evaluation: overall success and reward, and each mix source's."""
-    from actloop.train.trainer import eval_metrics
+    from actloop.train.runtime.run import eval_metrics
 
     res = {"success": 0.5, "reward": 0.625, "seconds": 12.3456,
            "per_source": {"calculator": {"n": 2, "success": 1.0, "reward": 1.0},

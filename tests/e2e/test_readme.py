@@ -110,7 +110,7 @@ def test_quoted_output_is_what_the_program_prints(user_dir, cmd, quoted):
 def check_train(args: list[str]) -> None:
     """A train command up to the point where training starts: config, reward functions, data."""
     from actloop.gateway.agent import build_run_task  # the registry's build_task; agent.entry: the agent task
-    from actloop.train.checkpoint import resume_config
+    from actloop.train.runtime.checkpoint import resume_config
 
     path, overrides = _split_args(args)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)

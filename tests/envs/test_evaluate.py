@@ -13,7 +13,7 @@ from actloop.config import load_config
 from actloop.tasks import build_task
 from actloop.tasks.base import LoadedTask
 from actloop.tasks.gsm8k_tool import TASK as GSM8K_TOOL
-from actloop.train.evaluate import evaluate, pass_at_k
+from actloop.train.runtime.evaluate import evaluate, pass_at_k
 from actloop.types import Message, ToolCall, Trajectory, Turn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_evaluate_reports_the_mean_of_every_rubric_component():
 def test_evaluate_says_how_many_tokens_it_sampled_and_how_fast():
     """A slow evaluation must say whether the model wrote more (tokens, turns) or the engine ran
     slower (tokens a second): hand-built episodes of 3+2 and 4 sampled tokens over 1.5 turns."""
-    from actloop.train.evaluate import eval_line
+    from actloop.train.runtime.evaluate import eval_line
 
     def ep(*turn_lengths):
         turns = tuple(Turn(Message("assistant", "x"), tuple(range(n)), (0.0,) * n, "stop") for n in turn_lengths)

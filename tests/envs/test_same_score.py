@@ -14,8 +14,9 @@ from actloop.rollout.engine import SamplingParams
 from actloop.sandbox import probe_bwrap
 from actloop.tasks import build_task
 from actloop.tasks.registry import BUILTIN
-from actloop.train.evaluate import evaluate
-from actloop.train.trainer import PromptSampler, rollout_groups
+from actloop.train.runtime.evaluate import evaluate
+from actloop.data.sampler import PromptSampler
+from actloop.train.rl.loop import rollout_groups
 
 WRONG = {"calculator": "The answer is 1.", "gsm8k": "#### 123456789", "gsm8k-tool": "#### 123456789",
          "mbpp": "```python\ndef nothing():\n    return None\n```", "humaneval": "```python\ndef f():\n    pass\n```",

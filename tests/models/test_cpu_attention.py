@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from actloop.models import cpu_attention
 from actloop.models.attention import choose_attn_implementation
-from actloop.train.logprobs import token_logprobs
+from actloop.train.numerics.logprobs import token_logprobs
 
 
 def _inputs(dtype, B=3, Hq=6, Hkv=2, S=5, L=9, D=8):

@@ -36,7 +36,7 @@ def test_lora_engine_copy_of_gpt_oss_samples_the_adapted_weights(tiny_gpt_oss_di
     import warnings
 
     from actloop.rollout.engine import HFEngine, SamplingParams
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

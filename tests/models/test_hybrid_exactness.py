@@ -9,7 +9,7 @@ from fixtures.tiny_models import GPT_OSS_SLIDING_WINDOW
 
 from actloop.models import load_models
 from actloop.rollout.engine import HFEngine, SamplingParams
-from actloop.train.logprobs import token_logprobs
+from actloop.train.numerics.logprobs import token_logprobs
 
 W = GPT_OSS_SLIDING_WINDOW
 

@@ -9,7 +9,7 @@ from actloop.algos.kl import kl_k3
 from actloop.models import load_models
 from actloop.models.routing import moe_routers
 from actloop.rollout.engine import HFEngine, SamplingParams
-from actloop.train.logprobs import token_logprobs
+from actloop.train.numerics.logprobs import token_logprobs
 
 W = GPT_OSS_SLIDING_WINDOW
 

@@ -67,7 +67,7 @@ def test_actloop_loads_and_scores_the_tiny_models(which, request):
     import torch
 
     from actloop.models import load_models
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     model = load_models(request.getfixturevalue(which)).policy
     ids = [int(i) for i in torch.arange(3 * GPT_OSS_SLIDING_WINDOW) * 7 % model.config.vocab_size]

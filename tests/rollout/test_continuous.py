@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actloop.rollout.engine import HFEngine, PrefixCache, SamplingParams
-from actloop.train.logprobs import token_logprobs
+from actloop.train.numerics.logprobs import token_logprobs
 
 
 def _tiny():
@@ -227,7 +227,7 @@ def test_a_bf16_copy_lends_its_storage_to_the_updates_bf16_weights(lora):
     """train.bf16_mode=weights: instead of sleeping, the bf16 copy's tensors hold the update's bf16
     weights (no new 2-byte copy of the model), the engine refuses to sample until sync_weights, and
     then samples with the policy's new weights (LoRA: merged again)."""
-    from actloop.train.mixed_precision import bf16_weights
+    from actloop.train.numerics.mixed_precision import bf16_weights
 
     model = _tiny().train()
     if lora:

@@ -8,7 +8,7 @@ from actloop.tasks.calculator import CalculatorEnv, make_splits
 from actloop.rollout.engine import HFEngine, SamplingParams, common_prefix_len, sample_next
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
-from actloop.train.logprobs import token_logprobs
+from actloop.train.numerics.logprobs import token_logprobs
 
 # fp32 engine vs fp32 trainer: same weights, different batch shapes and kernels (KV-cached decode
 # vs one pass over the suffix). Measured max |diff| ~1e-5; we allow 1e-3 on any token.

@@ -170,7 +170,7 @@ def _rollout(engine, tokenizer, steps=10, per_step=4):
     from actloop.rewards.rubric import Rubric, RewardTerm
     from actloop.rollout.episodes import run_episodes
     from actloop.rollout.renderer import Renderer
-    from actloop.train.failures import classify
+    from actloop.train.runtime.failures import classify
 
     renderer = Renderer(tokenizer)
     rubric = Rubric([RewardTerm("one", lambda prompts, completions, **kw: [1.0] * len(completions))])
@@ -208,7 +208,7 @@ def test_vllm_server_failing_one_request_in_five_loses_nothing_with_retries(stan
 def test_vllm_server_failures_without_retries_are_recorded_per_trajectory_and_masked(stand_in, tokenizer, tmp_path):
     from actloop.config import FailuresConfig
     from actloop.rollout.vllm_engine import VLLMServerEngine
-    from actloop.train.failures import FailureGuard, FailureLog, failure_metrics
+    from actloop.train.runtime.failures import FailureGuard, FailureLog, failure_metrics
 
     eng = IsolatedEngine(VLLMServerEngine(stand_in.url, (tokenizer.eos_token_id,), sync="none"), retries=0)
     scored, failures = _rollout(eng, tokenizer)

@@ -15,7 +15,7 @@ from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import open_episode, run_episodes
 from actloop.rollout.formats import detect
 from actloop.rollout.renderer import Renderer
-from actloop.train.pairs import masked_spans, render_conversation
+from actloop.train.offline.pairs import masked_spans, render_conversation
 from actloop.types import Message, Scored, ToolCall
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def test_tool_output_never_becomes_control_tokens(tokenizers, fmt):
 
 def test_episode_that_outgrows_max_context_is_ended_and_counted(tokenizer):
     from actloop.monitor.samples import sample_record
-    from actloop.train.trainer import step_metrics
+    from actloop.train.runtime.run import step_metrics
 
     r = Renderer(tokenizer)
     call = SCRIPTS["hermes"][0]
@@ -238,7 +238,7 @@ def test_render_cli_on_the_tiny_models(fmt, tiny_qwen3_dir, tiny_gpt_oss_dir):
 
 @pytest.mark.parametrize("fmt", list(SCRIPTS))
 def test_sft_rows_with_openai_tool_calls_train_the_formats_spelling(tokenizers, fmt):
-    from actloop.train.pairs import to_messages
+    from actloop.train.offline.pairs import to_messages
 
     r = Renderer(tokenizers[fmt])
     completion = to_messages([

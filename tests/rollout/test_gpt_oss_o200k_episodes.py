@@ -16,7 +16,7 @@ from actloop.rollout.engine import HFEngine, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.tasks.calculator import CalculatorEnv
-from actloop.train.pairs import masked_spans
+from actloop.train.offline.pairs import masked_spans
 from actloop.types import Message
 from fixtures.calling_gpt_oss import ROW, episode_ids
 
@@ -46,7 +46,7 @@ def test_the_call_on_the_analysis_channel_is_executed_greedy(setup):
 
 
 def test_sampled_episodes_train_on_exactly_the_sampled_ids(setup):
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     model, r, engine = setup
     torch.manual_seed(0)

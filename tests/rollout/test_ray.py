@@ -45,7 +45,7 @@ def test_ray_worker_logprobs_match_trainer_and_follow_sync(ray_session, fp32_mod
     from actloop.tasks.calculator import make_splits
     from actloop.rollout.engine import SamplingParams
     from actloop.rollout.ray_engine import RayEngine
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     engine = RayEngine.from_config(_cfg(tmp_path, "train.precision=fp32"))
     try:

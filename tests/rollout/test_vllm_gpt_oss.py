@@ -64,7 +64,7 @@ def test_the_call_on_the_analysis_channel_is_sampled_by_vllm_and_executed(callin
 def test_vllms_logprobs_are_the_trainers_with_sinks_and_the_sliding_window(calling_gpt_oss, engine):
     """Sampled at T = 1 from the episode's prompt (> 8 tokens: the sliding layer drops keys), the
     engine's log-probs against the trainer's (fp32 both)."""
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     path, model = calling_gpt_oss
     r = Renderer(model_tokenizer(path))
@@ -110,7 +110,7 @@ def test_the_gateway_answers_an_openai_client_with_the_harmony_call(calling_gpt_
 def test_a_weight_sync_reaches_the_sinks_and_the_experts(calling_gpt_oss, engine):
     import copy
 
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     path, model = calling_gpt_oss
     r = Renderer(model_tokenizer(path))

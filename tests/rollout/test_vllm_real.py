@@ -51,7 +51,7 @@ def _greedy(engine, prompts, n=24):
 
 def _mean_gap(engine, model, prompt):
     """Mean |engine log-prob - trainer log-prob| over 4 sampled completions (T = 1)."""
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     comps = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=24, temperature=1.0))
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in comps)

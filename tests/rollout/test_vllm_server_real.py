@@ -152,7 +152,7 @@ def test_a_path_sync_of_tied_embeddings_reaches_the_servers_head_too(server, tmp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -16,7 +16,7 @@ from actloop.rewards.code import default_sandbox
 from actloop.sandbox import PythonSession, probe_bwrap
 from actloop.tasks.gsm8k_tool import (TASK, GSM8KToolEnv, NoTrace, gold_trace, python_value, trace_counts,
                                       trace_steps)
-from actloop.train.pairs import gold_conversation, gold_sequences, masked_spans
+from actloop.train.offline.pairs import gold_conversation, gold_sequences, masked_spans
 from actloop.types import Message, ToolCall, Trajectory, Turn
 
 needs_sandbox = pytest.mark.skipif(not probe_bwrap().available, reason="needs the bwrap sandbox (actloop sandbox doctor)")

@@ -14,8 +14,9 @@ from actloop.rollout.engine import Completion, EngineBase, SamplingParams
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.tasks import BUILTIN, Task, build_task, resolve
-from actloop.train.evaluate import evaluate
-from actloop.train.trainer import PromptSampler, rollout_groups
+from actloop.train.runtime.evaluate import evaluate
+from actloop.data.sampler import PromptSampler
+from actloop.train.rl.loop import rollout_groups
 
 USER_TASK = '''
 import random

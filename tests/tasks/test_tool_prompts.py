@@ -186,7 +186,7 @@ LETTER_COUNT_PROMPT_SHA256 = "86491678f9490a416cd38104b71863df1131fca348f50da5c2
 def test_the_worked_calls_survive_serialization():
     """Reward functions' `prompts`, DPO's pairs.jsonl and SFT rows hold messages as dicts: the
     worked examples' calls go there as OpenAI `tool_calls` and read back to the same messages."""
-    from actloop.train.pairs import to_messages
+    from actloop.train.offline.pairs import to_messages
 
     messages, _tools = CalculatorEnv().reset({"question": "What is 12 times 13, plus 5?"})
     dicts = [m.to_dict() for m in messages]

@@ -1,4 +1,4 @@
-"""Rollouts ahead of training (rollout.max_staleness = K > 0, actloop.train.ahead) on the tiny random
+"""Rollouts ahead of training (rollout.max_staleness = K > 0, actloop.train.rl.ahead) on the tiny random
 Qwen3 with the HF engine (the vLLM engine's in-flight path: tests/rollout/test_vllm_inflight.py).
 
 The slow test kills a K = 1 run with SIGKILL in the middle of step 4 (after it took its groups,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actloop.train import checkpoint
+from actloop.train.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = ("def varied(prompts, completions, **kwargs):\n"
@@ -28,7 +28,7 @@ REWARD = ("def varied(prompts, completions, **kwargs):\n"
 PAUSED = """
 import os, sys, time
 from pathlib import Path
-import actloop.train.ahead as ahead
+import actloop.train.rl.ahead as ahead
 from actloop.cli import main
 original = ahead.AheadRollouts.take
 def paused(self, step):
@@ -149,7 +149,7 @@ def test_loglinear_proximal_skips_the_fixed_pass(tmp_path, tiny_qwen3_dir, monke
     log-probs are approximated from each token's version (no no-grad pass); the formula's numbers
     are tests/algos/test_offpolicy.py's."""
     from actloop.config import load_config
-    from actloop.train import update
+    from actloop.train.rl import update
     from actloop.train.trainer import train
 
     passes = []
@@ -169,7 +169,7 @@ def test_loglinear_proximal_skips_the_fixed_pass(tmp_path, tiny_qwen3_dir, monke
 import threading  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-from actloop.train.ahead import AheadRollouts  # noqa: E402
+from actloop.train.rl.ahead import AheadRollouts  # noqa: E402
 from actloop.types import Message, Scored, Trajectory, Turn  # noqa: E402
 
 
@@ -261,7 +261,7 @@ def test_a_group_at_its_last_chance_is_waited_for_not_overtaken():
 def test_a_group_over_the_bound_is_dropped_counted_and_replaced():
     """A finished group older than K when its turn comes (here: carried over a resume from a run
     whose weights moved on) is never trained; its place goes to a fresh group."""
-    from actloop.train.ahead import AheadGroup
+    from actloop.train.rl.ahead import AheadGroup
 
     prod, engine, _, started = producer(k=1, p=2)
     old = AheadGroup(99, {"id": 99}, first_version=0, last_version=0)

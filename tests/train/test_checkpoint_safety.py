@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actloop.config import ConfigError, load_config
-from actloop.train import checkpoint, rundir
+from actloop.train.runtime import checkpoint, rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def _same_weights(ckpt: checkpoint.Checkpoint, model: torch.nn.Module) -> bool:
 ENOSPC_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, sys.argv[2])
-    from actloop.train import checkpoint
+    from actloop.train.runtime import checkpoint
     run = sys.argv[1]
     torch.manual_seed(0)
     m = torch.nn.Linear(200, 200)
@@ -126,7 +126,7 @@ def test_trainer_stops_with_a_clear_message_when_the_disk_fills(tmp_path, monkey
     checkpoint hits ENOSPC: the run stops with RunAborted naming the intact step-1 checkpoint,
     summary.json says why, and it resumes."""
     from actloop.train import trainer
-    from actloop.train.failures import RunAborted
+    from actloop.train.runtime.failures import RunAborted
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say {i}."}]}) + "\n" for i in range(8)))
@@ -164,7 +164,7 @@ def test_trainer_stops_with_a_clear_message_when_the_disk_fills(tmp_path, monkey
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, sys.argv[3])
-    from actloop.train import checkpoint
+    from actloop.train.runtime import checkpoint
     if len(sys.argv) > 4:
         real, done = os.replace, []
         def replace(a, b):
@@ -233,7 +233,7 @@ def test_final_dir_is_replaced_only_once_the_new_one_is_complete(tmp_path):
 HOLD_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[2])
-    from actloop.train import rundir
+    from actloop.train.runtime import rundir
     rundir.claim(sys.argv[1])
     print("held", flush=True)
     time.sleep(60)
@@ -241,7 +241,7 @@ HOLD_SCRIPT = textwrap.dedent("""
 
 
 def test_a_second_run_into_a_held_directory_fails_at_once_naming_the_holder(tmp_path):
-    from actloop.train.trainer import make_run_dir, open_run
+    from actloop.train.runtime.run import make_run_dir, open_run
 
     script = tmp_path / "hold.py"
     script.write_text(HOLD_SCRIPT)
@@ -270,7 +270,7 @@ def test_a_second_run_into_a_held_directory_fails_at_once_naming_the_holder(tmp_
 
 
 def test_an_existing_run_name_is_refused_unless_overwrite(tmp_path):
-    from actloop.train.trainer import make_run_dir
+    from actloop.train.runtime.run import make_run_dir
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "run_name=r"])
     run = make_run_dir(cfg)

@@ -8,6 +8,7 @@ import torch
 
 from actloop.config import load_config
 from actloop.train import trainer
+from actloop.train.rl import loop
 
 
 def _run(tmp_path, monkeypatch, model_dir):
@@ -22,16 +23,16 @@ def _run(tmp_path, monkeypatch, model_dir):
                              "train.eval_after=false", "train.save_final=false", "checkpoint.every=0",
                              "train.threads=2", "train.beta=0", f"output_dir={tmp_path}", "run_name=r",
                              "monitor.sample_every=0", "train.precision=fp32"])
-    seen, real = [], trainer.rl_update
+    seen, real = [], loop.rl_update
 
     def recording(*a, **k):
         seen.append((threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
         return real(*a, **k)
 
-    monkeypatch.setattr(trainer, "rl_update", recording)
+    monkeypatch.setattr(loop, "rl_update", recording)
     main_threads = []
-    real_rollout = trainer.rollout_groups
-    monkeypatch.setattr(trainer, "rollout_groups",
+    real_rollout = loop.rollout_groups
+    monkeypatch.setattr(loop, "rollout_groups",
                         lambda *a, **k: main_threads.append(torch.get_num_threads()) or real_rollout(*a, **k))
     res = trainer.train(cfg, progress=False, print_fn=lambda *_: None)
     assert torch.get_num_threads() == 2  # train() hands the caller its threads back

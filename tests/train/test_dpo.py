@@ -9,7 +9,7 @@ import torch
 from actloop.config import load_config
 from actloop.data.jsonl import DataError
 from actloop.rollout.renderer import Renderer
-from actloop.train.pairs import load_preference_pairs, masked_spans
+from actloop.train.offline.pairs import load_preference_pairs, masked_spans
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 SYSTEM = {"role": "system", "content": "Use the calculator tool, then answer as: The answer is N."}
@@ -103,7 +103,7 @@ def test_online_dpo_loss_builds_best_vs_worst_pairs(tokenizer, fp32_model, one_t
     """Policy == reference: every implicit reward is 0 and the sigmoid loss is exactly log 2; one
     pair per group with distinct rewards, tied groups skipped; the loss carries gradient."""
     from actloop.models import Models
-    from actloop.train.dpo import online_dpo_loss
+    from actloop.train.offline.dpo import online_dpo_loss
     from actloop.types import Scored
 
     r = Renderer(tokenizer)
@@ -135,7 +135,7 @@ def finite_lines(run_dir):
 
 @pytest.mark.slow
 def test_offline_dpo_on_jsonl_pairs_learns_and_scores_the_reference_once(tmp_path, monkeypatch, one_thread):
-    import actloop.train.dpo as dpo
+    import actloop.train.offline.dpo as dpo
     from actloop.train.trainer import train
 
     calls = []

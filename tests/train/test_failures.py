@@ -24,9 +24,9 @@ from actloop.rollout.renderer import Renderer
 from actloop.types import Message
 from actloop.sandbox import ExecResult, get_sandbox
 from actloop.sandbox import clock as sandbox_clock
-from actloop.train.failures import (FailureGuard, FailureLog, classify, failure_metrics, masked_line, no_answer,
+from actloop.train.runtime.failures import (FailureGuard, FailureLog, classify, failure_metrics, masked_line, no_answer,
                                     tool_line)
-from actloop.train.trainer import _usage, usage_delta
+from actloop.train.runtime.run import _usage, usage_delta
 
 
 def constant(prompts, completions, **kwargs):
@@ -192,7 +192,7 @@ def test_reward_function_that_raises_masks_the_batch_with_its_traceback():
                            "first: reward `broken` raised ZeroDivisionError")
     assert "division by zero in the grader" in line and line.endswith("tracebacks in runs/x/failures.jsonl")
     # an evaluation of that batch says it graded nothing instead of printing a bare 0%
-    from actloop.train.evaluate import _first_reason, eval_line
+    from actloop.train.runtime.evaluate import _first_reason, eval_line
 
     res = {"success": 0.0, "n": 2, "seconds": 1.0, "masked": 2, "masked_reason": _first_reason(scored)}
     assert eval_line("eval_before", res) == (
@@ -310,7 +310,7 @@ def test_judge_endpoint_failing_is_masked_counted_and_tokens_are_per_step(judge_
 
 
 def test_guard_stops_after_consecutive_bad_steps(tmp_path):
-    from actloop.train.failures import Failure
+    from actloop.train.runtime.failures import Failure
 
     guard = FailureGuard(FailuresConfig(max_rate=0.5, max_bad_steps=2))
     bad = [Failure(1, "sandbox", "x", None, i, "r", True) for i in range(3)]
@@ -334,8 +334,8 @@ def test_training_through_failures_then_stopping_cleanly(tmp_path):
     """On the embedded model: (1) 2-token replies (nothing parses) train and the run finishes;
     (2) a reward function that always raises masks every trajectory: the steps train nothing,
     log finite metrics, and the run stops after failures.max_bad_steps with a checkpoint."""
-    from actloop.train.checkpoint import list_checkpoints
-    from actloop.train.failures import RunAborted
+    from actloop.train.runtime.checkpoint import list_checkpoints
+    from actloop.train.runtime.failures import RunAborted
     from actloop.train.trainer import train
 
     data = tmp_path / "rows.jsonl"

@@ -4,7 +4,7 @@ collector's walks for the loop (each full collection walked ~370k of them), and 
 import gc
 import weakref
 
-from actloop.train.memory import frozen_gc
+from actloop.train.runtime.memory import frozen_gc
 
 
 class _Node:

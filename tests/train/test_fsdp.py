@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from actloop.config import ConfigError, load_config
-from actloop.train.distributed import Dist, ShardedSampler, check_supported, init_distributed, launched_by_torchrun
-from actloop.train.trainer import PromptSampler
+from actloop.train.runtime.distributed import Dist, ShardedSampler, check_supported, init_distributed, launched_by_torchrun
+from actloop.data.sampler import PromptSampler
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_offline_algorithms_refuse_torchrun(monkeypatch):
 # ---- two processes on the embedded model ------------------------------------------------------
 
 
-# The fixed batch of actloop.train.dist_check: 4 groups x 2 trajectories, the last with equal rewards.
+# The fixed batch of tests/fixtures/dist_check.py: 4 groups x 2 trajectories, the last with equal rewards.
 # Two ranks hold two groups each: rank 1 has one micro-batch to train, rank 0 two, so rank 1 runs
 # one zero-loss pass to match rank 0's collectives. SGD, so that the weight change is the
 # (clipped) gradient itself; 2 steps.
@@ -95,7 +95,7 @@ CHECK_CFG = ["train.micro_batch_size=2", "train.lr=0.1"]
 
 @pytest.fixture(scope="module")
 def one_process():
-    from actloop.train.dist_check import run
+    from fixtures.dist_check import run
 
     threads = torch.get_num_threads()
     try:
@@ -105,7 +105,7 @@ def one_process():
 
 
 def two_processes(tmp_path, *overrides):
-    torchrun(["-m", "actloop.train.dist_check", "--out", str(tmp_path / "two.pt"), *CHECK, "--", *CHECK_CFG,
+    torchrun([str(REPO / "tests" / "fixtures" / "dist_check.py"), "--out", str(tmp_path / "two.pt"), *CHECK, "--", *CHECK_CFG,
               *overrides], cwd=tmp_path)
     return torch.load(tmp_path / "two.pt", weights_only=False)
 
@@ -124,7 +124,7 @@ def check_same_metrics(one, two, rel):
 
 @pytest.mark.slow
 def test_two_process_fsdp_update_matches_one_process(one_process, tmp_path):
-    from actloop.train.dist_check import compare
+    from fixtures.dist_check import compare
 
     two = two_processes(tmp_path)
     check_same_metrics(one_process, two, rel=2e-4)  # measured: grad norm 2e-5, entropy 1.2e-6
@@ -142,7 +142,7 @@ def test_two_process_fsdp_update_matches_one_process(one_process, tmp_path):
 def test_two_process_replicated_update_is_bit_identical(one_process, tmp_path):
     """distributed.fsdp=false: full weights on each rank, gradients all-reduced (summed) before the
     clip: the same floats as one process, to the last bit."""
-    from actloop.train.dist_check import compare
+    from fixtures.dist_check import compare
 
     two = two_processes(tmp_path, "distributed.fsdp=false")
     check_same_metrics(one_process, two, rel=0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actloop.train.logprobs import ChunkedHeadLogprob, head_logprobs
+from actloop.train.numerics.logprobs import ChunkedHeadLogprob, head_logprobs
 
 
 def reference(h, w, tgt, T):
@@ -109,7 +109,7 @@ def rows_of_two_groups():
 
 @pytest.mark.parametrize("chunk", [0, 5])
 def test_group_prefixes_give_the_full_sequence_logprobs_and_gradients(chunk):
-    from actloop.train.logprobs import prefix_plan, token_logprobs
+    from actloop.train.numerics.logprobs import prefix_plan, token_logprobs
 
     model = tiny_llama()
     seqs, masks = rows_of_two_groups()
@@ -132,7 +132,7 @@ def test_group_prefixes_give_the_full_sequence_logprobs_and_gradients(chunk):
 
 
 def test_prefix_plan_prefers_one_common_prefix_when_every_prompt_differs():
-    from actloop.train.logprobs import prefix_plan
+    from actloop.train.numerics.logprobs import prefix_plan
 
     seqs = [[1, 2, 3, 4, 5], [1, 2, 9, 8, 7]]
     masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
@@ -140,7 +140,7 @@ def test_prefix_plan_prefers_one_common_prefix_when_every_prompt_differs():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     model = tiny_llama()
     model.train()
@@ -164,7 +164,7 @@ def test_checkpointing_keeps_the_shared_prefix_with_exact_gradients(groups):
     """Under checkpointing the prompt prefix still runs once (replayable caches, rollout/kv.py):
     the embedding sees the prefix plus the suffixes, not every full row, and the gradients equal
     the plain path's (one prefix for all rows, and one per prompt)."""
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     model = tiny_llama()
     model.train()
@@ -192,7 +192,7 @@ def test_padding_to_a_multiple_changes_shapes_not_results(groups, ckpt, chunk):
     """train.pad_to_multiple: the suffix, the shared prefix and the head's rows padded to a multiple
     of 16 give the exact lengths' log-probs, entropies and gradients, and the passes ran on the
     padded shapes (the embedding saw multiples of 16 per row)."""
-    from actloop.train.logprobs import token_logprobs
+    from actloop.train.numerics.logprobs import token_logprobs
 
     model = tiny_llama()
     model.train(ckpt)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from actloop.train.memory import reset_rss_peak
+from actloop.train.runtime.memory import reset_rss_peak
 
 pytestmark = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK) or not reset_rss_peak(),
                                 reason="needs Linux's /proc/self/clear_refs to reset the high-water mark")
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK) 
 
 _PHASES = """
 import json, torch
-from actloop.train.memory import PhasePeaks
+from actloop.train.runtime.memory import PhasePeaks
 peaks = PhasePeaks()
 with peaks("model_load"):
     pass
@@ -46,7 +46,7 @@ def test_each_phase_sees_its_own_freed_allocation_and_not_the_others():
 
 _PLACEMENT = """
 import ctypes, json
-from actloop.train.memory import mmap_threshold
+from actloop.train.runtime.memory import mmap_threshold
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -82,7 +82,7 @@ def test_the_update_threshold_maps_large_allocations_inside_its_block_only():
     import subprocess
     import sys
 
-    from actloop.train.memory import set_mmap_threshold
+    from actloop.train.runtime.memory import set_mmap_threshold
 
     if not set_mmap_threshold(32.0):
         pytest.skip("no glibc mallopt here")

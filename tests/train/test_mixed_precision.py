@@ -1,4 +1,4 @@
-"""bf16 weights for the update's passes (actloop.train.mixed_precision)."""
+"""bf16 weights for the update's passes (actloop.train.numerics.mixed_precision)."""
 
 import contextlib
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from actloop.train.mixed_precision import bf16_weights, update_precision
+from actloop.train.numerics.mixed_precision import bf16_weights, update_precision
 
 
 class Tied(nn.Module):

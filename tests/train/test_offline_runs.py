@@ -10,7 +10,7 @@ import pytest
 from actloop.config import ConfigError, load_config
 from actloop.data.jsonl import DataError
 from actloop.rewards import RewardError
-from actloop.train.common import offline_schedule
+from actloop.train.offline.common import offline_schedule
 
 CONVERSATION = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]}
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from actloop.train.optim import adamw
+from actloop.train.numerics.optim import adamw
 
 
 def test_fused_adamw_on_cpu_takes_the_same_step_as_the_loop():
@@ -26,7 +26,7 @@ def test_tensors_without_the_fused_kernel_take_the_loop():
 
 
 def test_drop_state_frees_the_moments_and_gradients():
-    from actloop.train.optim import drop_state
+    from actloop.train.numerics.optim import drop_state
 
     p = torch.nn.Parameter(torch.randn(8, 4))
     opt = adamw([p], 1e-2, 0.0)
@@ -41,7 +41,7 @@ def test_bf16_momentum_adamw_follows_torch_adamw():
     """Same update as torch.optim.AdamW (weight decay included) up to bf16's rounding of the first
     moment; the moment is stored in bf16, the second in fp32; it stays bf16 across a state_dict
     round trip (torch casts loaded state to the parameter's dtype)."""
-    from actloop.train.optim import AdamWBf16Momentum
+    from actloop.train.numerics.optim import AdamWBf16Momentum
 
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(64, 32))
@@ -110,7 +110,7 @@ def test_8bit_adamw_chunked_cpu_step_is_bit_identical_to_bitsandbytes(monkeypatc
     """Stepping a tensor in chunks of whole 256-value blocks (bounded fp32 temporaries) gives
     exactly bitsandbytes' own whole-tensor step, including a last chunk shorter than the others."""
     bnb = pytest.importorskip("bitsandbytes")
-    import actloop.train.optim8bit as o8
+    import actloop.train.numerics.optim8bit as o8
 
     monkeypatch.setattr(o8, "CHUNK", 4096)
     torch.manual_seed(0)
@@ -136,7 +136,7 @@ def test_auto_takes_8bit_moments_for_plain_tensors_and_fp32_elsewhere():
     """train.optimizer=auto: bitsandbytes' 8-bit AdamW where it can step the tensors, torch's
     AdamW otherwise (here a meta tensor stands for a device bitsandbytes cannot step)."""
     pytest.importorskip("bitsandbytes")
-    from actloop.train.optim8bit import AdamW8bit
+    from actloop.train.numerics.optim8bit import AdamW8bit
 
     assert isinstance(adamw([torch.nn.Parameter(torch.randn(4))], 1e-3, 0.0, kind="auto"), AdamW8bit)
     other = adamw([torch.nn.Parameter(torch.randn(4, device="meta"))], 1e-3, 0.0, kind="auto")

@@ -7,12 +7,12 @@ Tiny random Qwen3 (tests/fixtures/tiny_models.py), one prompt with two completio
 import pytest
 import torch
 
-import actloop.train.update as upd
+import actloop.train.rl.update as upd
 from actloop.config import load_config
 from actloop.models import load_models
-from actloop.train.logprobs import token_logprobs
-from actloop.train.mixed_precision import hold_in_bf16
-from actloop.train.update import UpdateContext, rl_update
+from actloop.train.numerics.logprobs import token_logprobs
+from actloop.train.numerics.mixed_precision import hold_in_bf16
+from actloop.train.rl.update import UpdateContext, rl_update
 
 from .test_update_learns import fixed_batch
 

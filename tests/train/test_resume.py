@@ -2,7 +2,7 @@
 
 The slow test runs the same tiny training twice in subprocesses: once straight through, once
 killed with SIGKILL in the middle of step 3 (after its rollout, before its update: a wrapper
-script patches the trainer's `rollout_groups` from outside to pause there) and resumed with `actloop train resume=RUN_DIR`. Every
+script patches the loop's `rollout_groups` from outside to pause there) and resumed with `actloop train resume=RUN_DIR`. Every
 per-step metric that is not a timing or a memory reading must be equal, exactly.
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from actloop.config import ConfigError, load_config
-from actloop.train import checkpoint
+from actloop.train.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,9 +53,9 @@ def tiny(tmp_path: Path, name: str, model: str) -> list[str]:
 PAUSED = """
 import os, sys, time
 from pathlib import Path
-import actloop.train.trainer as trainer
+import actloop.train.rl.loop as loop
 from actloop.cli import main
-original, calls = trainer.rollout_groups, []
+original, calls = loop.rollout_groups, []
 def paused(*args, **kw):
     out = original(*args, **kw)
     calls.append(1)
@@ -63,14 +63,16 @@ def paused(*args, **kw):
         Path(os.environ["PAUSE_MARK"]).write_text("paused")
         time.sleep(120)
     return out
-trainer.rollout_groups = paused
+loop.rollout_groups = paused
 sys.argv = ["actloop", *sys.argv[1:]]
 main()
 """
 
 
 def start(args: list[str], wrapper: Path | None = None, **env: str) -> subprocess.Popen:
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    # this checkout's actloop, also for the wrapper script (whose own directory comes first on its path)
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env}
     cmd = [sys.executable, str(wrapper)] if wrapper else [sys.executable, "-m", "actloop"]
     return subprocess.Popen([*cmd, *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -250,7 +252,7 @@ def test_resume_refuses_a_changed_kl_coefficient(tmp_path):
 
 
 def test_resume_without_checkpoint_or_with_changed_data_fails_clearly(tmp_path):
-    from actloop.train.trainer import open_run
+    from actloop.train.runtime.run import open_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -266,7 +268,7 @@ def test_resume_without_checkpoint_or_with_changed_data_fails_clearly(tmp_path):
 
 
 def test_graceful_stop_first_signal_asks_second_aborts():
-    from actloop.train.interrupt import GracefulStop
+    from actloop.train.runtime.interrupt import GracefulStop
 
     said = []
     before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under nohup / `&`
@@ -284,7 +286,7 @@ def test_graceful_stop_survives_a_print_that_raises_in_the_handler(capfd):
     """The handler runs between any two bytecodes of the loop: a print that lands inside another
     write to the same stream raises RuntimeError("reentrant call ..."). The stop must still be
     requested, and nothing may escape into the step it asked to finish."""
-    from actloop.train.interrupt import GracefulStop
+    from actloop.train.runtime.interrupt import GracefulStop
 
     def reentrant(msg):
         raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
@@ -300,9 +302,10 @@ def test_graceful_stop_survives_a_print_that_raises_in_the_handler(capfd):
 def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch, tiny_qwen3_dir):
     """In-process: SIGINT during step 1's update; the step finishes, a checkpoint is written, the
     run returns `stopped`; resuming runs steps 2-3 and nothing is lost or repeated."""
+    import actloop.train.rl.loop as loop
     import actloop.train.trainer as trainer
 
-    real_update = trainer.rl_update
+    real_update = loop.rl_update
 
     def update_then_ctrl_c(ctx, scored, group_size):
         if not getattr(update_then_ctrl_c, "fired", False):
@@ -310,7 +313,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, monkeypatch,
             os.kill(os.getpid(), signal.SIGINT)
         return real_update(ctx, scored, group_size)
 
-    monkeypatch.setattr(trainer, "rl_update", update_then_ctrl_c)
+    monkeypatch.setattr(loop, "rl_update", update_then_ctrl_c)
     args = [a for a in tiny(tmp_path, "interrupted", tiny_qwen3_dir)[1:-1]
             if not a.startswith(("train.steps", "checkpoint.every", "train.beta", "kl."))]
     said = []
@@ -335,8 +338,9 @@ def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoin
     """The loop must read the stop flag once per step: a SIGTERM that arrives between "no
     checkpoint this step" and "stop now?" used to stop the run with no checkpoint of its last
     step (none at all with checkpoint.every=0) while telling the user to resume."""
+    import actloop.train.runtime.run as run
     import actloop.train.trainer as trainer
-    from actloop.train.interrupt import GracefulStop
+    from actloop.train.runtime.interrupt import GracefulStop
 
     class LateSigterm(GracefulStop):
         """The first read of `requested` sees nothing; the signal lands right after it."""
@@ -352,7 +356,7 @@ def test_a_signal_landing_after_the_checkpoint_decision_still_gets_its_checkpoin
         def requested(self, value):
             pass
 
-    monkeypatch.setattr(trainer, "GracefulStop", LateSigterm)
+    monkeypatch.setattr(run, "GracefulStop", LateSigterm)
     args = [a for a in tiny(tmp_path, "late", tiny_qwen3_dir)[1:-1]
             if not a.startswith(("train.steps", "checkpoint.every", "train.beta", "kl."))]
     res = trainer.train(load_config(None, args + ["train.steps=3", "checkpoint.every=0", "rollout.max_new_tokens=4"]),

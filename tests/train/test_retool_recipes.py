@@ -12,8 +12,9 @@ import pytest
 from actloop.config import load_config
 from actloop.rollout.renderer import Renderer
 from actloop.tasks import build_task
-from actloop.train.pairs import gold_sequences, masked_spans
-from actloop.train.trainer import PromptSampler, train
+from actloop.train.offline.pairs import gold_sequences, masked_spans
+from actloop.data.sampler import PromptSampler
+from actloop.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT, GRPO = ROOT / "recipes" / "retool_sft.yaml", ROOT / "recipes" / "retool.yaml"

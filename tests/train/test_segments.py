@@ -5,8 +5,8 @@ import torch
 
 from actloop.config import load_config
 from actloop.models.resolve import Models
-from actloop.train.optim import adamw
-from actloop.train.update import UpdateContext, expand_segments, rl_update
+from actloop.train.numerics.optim import adamw
+from actloop.train.rl.update import UpdateContext, expand_segments, rl_update
 from actloop.types import Message, Scored, Trajectory, Turn
 
 

@@ -17,7 +17,7 @@ from actloop.rollout.engine import SamplingParams
 from fixtures.teacher import TeacherEngine
 from actloop.rollout.episodes import run_episodes
 from actloop.rollout.renderer import Renderer
-from actloop.train.pairs import gold_conversation, gold_sequences, load_sft_sequences, masked_spans
+from actloop.train.offline.pairs import gold_conversation, gold_sequences, load_sft_sequences, masked_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -151,8 +151,8 @@ def test_sft_micro_batches_keep_the_token_budget_and_the_gradient(tiny_qwen3_dir
     from types import SimpleNamespace
 
     from actloop.models import load_models
-    from actloop.train import sft
-    from actloop.train.pairs import Sequence
+    from actloop.train.offline import sft
+    from actloop.train.offline.pairs import Sequence
 
     seqs = [Sequence(tuple(range(5, 5 + n)), (0,) * 3 + (1,) * (n - 3)) for n in (12, 7, 20, 9)]
     changes, sizes = [], []
@@ -161,23 +161,23 @@ def test_sft_micro_batches_keep_the_token_budget_and_the_gradient(tiny_qwen3_dir
         start = {k: v.clone() for k, v in models.policy.state_dict().items()}
         opt = torch.optim.SGD(models.policy.parameters(), lr=1e-2)
 
-        def step(optimizer, scheduler):
+        def step(cfg, models, optimizer, scheduler):  # no clipping: the two gradients are compared as they are
             optimizer.step()
             return 0.0
 
         seen = []
-        real = sft.token_logprobs
+        real, clip_and_step = sft.token_logprobs, sft.clip_and_step
 
         def recording(policy, ids, mask, *a, **kw):
             seen.append(sorted(len(x) for x in ids))
             return real(policy, ids, mask, *a, **kw)
 
         cfg = load_config(None, ["algo=sft", "train.precision=fp32", f"train.max_tokens_per_microbatch={budget}"])
-        sft.token_logprobs = recording
+        sft.token_logprobs, sft.clip_and_step = recording, step
         try:
-            m = sft.sft_step(cfg, SimpleNamespace(models=models, clip_and_step=step), opt, None, seqs)
+            m = sft.sft_step(cfg, SimpleNamespace(models=models), opt, None, seqs)
         finally:
-            sft.token_logprobs = real
+            sft.token_logprobs, sft.clip_and_step = real, clip_and_step
         sizes.append(seen)
         changes.append({k: v - start[k] for k, v in models.policy.state_dict().items()})
         assert m["tokens"] == sum(s.num_loss_tokens for s in seqs)

@@ -3,7 +3,7 @@
 import torch
 
 from actloop.config import load_config
-from actloop.train.update import RolloutBatch, UpdateContext, compute_advantages
+from actloop.train.rl.update import RolloutBatch, UpdateContext, compute_advantages
 from actloop.types import Message, Scored, Trajectory, Turn
 
 
@@ -86,7 +86,7 @@ def test_masked_trajectory_gets_no_advantage():
 
 
 def test_run_batched_runs_every_row_once_in_order_within_the_cap():
-    from actloop.train.evaluate import run_batched
+    from actloop.train.runtime.evaluate import run_batched
 
     calls = []
 

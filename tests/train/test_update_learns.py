@@ -11,9 +11,9 @@ import torch
 from actloop.algos import ALGORITHMS
 from actloop.config import load_config
 from actloop.models import load_models
-from actloop.train.critic import Critic
-from actloop.train.logprobs import backbone_and_head, token_logprobs
-from actloop.train.update import UpdateContext, rl_update
+from actloop.train.rl.critic import Critic
+from actloop.train.numerics.logprobs import backbone_and_head, token_logprobs
+from actloop.train.rl.update import UpdateContext, rl_update
 from actloop.types import Message, Scored, Trajectory, Turn
 
 HIGH, LOW = "The answer is 391.", "Let me compute that with the calculator tool."
@@ -73,7 +73,7 @@ def test_one_update_raises_the_high_reward_sample(tiny_qwen3_dir, algo):
 
 def test_online_dpo_update_raises_the_chosen_sample(tiny_qwen3_dir):
     """The update the rollout loop calls for algo=dpo dpo.online=true (its row's loss)."""
-    from actloop.train.preference import preference_update
+    from actloop.train.offline.preference import preference_update
 
     cfg, models, scored = setup(tiny_qwen3_dir, "dpo", "dpo.online=true", need_reference=True)
     assert ALGORITHMS["dpo"].in_loop(cfg) and ALGORITHMS["dpo"].loss == "preference"
@@ -139,7 +139,7 @@ def test_a_bf16_update_runs_on_bf16_weights_and_learns(tiny_qwen3_dir, monkeypat
     """train.precision=bf16 with the default train.bf16_mode=weights: the fixed pass and the optimizer
     step's passes see bf16 parameters (every trainable one, the lent tensors used where given), the
     optimizer steps fp32 masters, and the step still widens the margin."""
-    import actloop.train.mixed_precision as mp
+    import actloop.train.numerics.mixed_precision as mp
 
     cfg, models, scored = setup(tiny_qwen3_dir, "grpo", "train.precision=bf16", "train.epochs=2")
     assert cfg.train.bf16_mode == "weights"
@@ -161,7 +161,7 @@ def test_a_bf16_update_runs_on_bf16_weights_and_learns(tiny_qwen3_dir, monkeypat
         assert lent_param.data_ptr() == lent[id(lent_param)].data_ptr()
         return real_tl(model, *a, **k)
 
-    import actloop.train.update as upd
+    import actloop.train.rl.update as upd
 
     monkeypatch.setattr(upd, "token_logprobs", check)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.lr, weight_decay=0.0)

@@ -2,7 +2,7 @@
 
 `actloop train` is one process by default (and `breakpoint()` works in it). Launched by
 `torchrun --nproc_per_node N -m actloop train ...`, every rank runs the same loop
-(`actloop.train.trainer.train_online`) on its own share of each step's prompts:
+(`actloop.train.rl.loop.train_online`) on its own share of each step's prompts:
 
 - prompts are split in contiguous blocks of whole groups (`Dist.shard`), so group advantages
   are computed locally and equal the one-process ones;
@@ -11,7 +11,7 @@
   gradient equals the one-process gradient up to float reduction order;
 - with FSDP2 (`distributed.fsdp`, the default) each decoder layer is one `fully_shard` unit and
   the root (embeddings, tied head, final norm) another. The update calls the backbone and the
-  head directly (`actloop.train.logprobs`), never the root's forward, so a forward pre-hook on the
+  head directly (`actloop.train.numerics.logprobs`), never the root's forward, so a forward pre-hook on the
   backbone unshards the root and FSDP's post-backward callback reduce-scatters and reshards it;
 - every rank must run the same collectives in the same order: each rank runs as many forward /
   backward passes per optimizer step as the busiest rank (`Dist.missing` + `Dist.dummy_pass`),
@@ -34,7 +34,7 @@ import torch
 from actloop.algos import ALGORITHMS
 from actloop.config import Config, ConfigError
 from actloop.rollout.factory import TORCHRUN_ENGINES
-from actloop.train.logprobs import token_logprobs
+from actloop.train.numerics.logprobs import token_logprobs
 
 
 def launched_by_torchrun(env: dict[str, str] | None = None) -> bool:

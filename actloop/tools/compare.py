@@ -281,7 +281,7 @@ def summarize_run(algo: str, run_dir: Path, window: int, seed: int = 0) -> AlgoR
 def peak_memory(row: AlgoResult, ru_maxrss_mib: float) -> float:
     """The run's peak RSS: the largest of its own per-phase peaks (summary.json `peak_mem_mb`) and
     the child's `ru_maxrss`. The trainer resets the kernel's high-water mark at each phase
-    (/proc/self/clear_refs, `actloop.train.memory`), and Linux reports that reset mark as
+    (/proc/self/clear_refs, `actloop.train.runtime.memory`), and Linux reports that reset mark as
     ru_maxrss at exit: alone it would be the last phase's peak, not the run's."""
     return round(max(ru_maxrss_mib, row.run_peak_mem_mib or 0.0), 1)
 

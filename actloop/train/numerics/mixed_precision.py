@@ -6,7 +6,7 @@
   floating parameter of the model holds a bf16 copy of itself (`param.data` swapped; the
   Parameter objects, which the optimizer and tied weights share, stay the same). Activations and
   the residual stream are bf16; RMSNorm, RoPE and softmax still compute in fp32 inside their ops
-  (RMSNorm and the MLP's SiLU x up through actloop's kernels where they apply: actloop.train.fused_ops).
+  (RMSNorm and the MLP's SiLU x up through actloop's kernels where they apply: actloop.rollout.fused_ops).
   Each bf16 gradient that autograd accumulates is summed at once into an fp32 buffer (a
   post-accumulate-grad hook) and the buffer becomes `param.grad` when the fp32 master is put
   back, before clipping and the optimizer step. This is mixed precision as FSDP's
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from actloop.rollout.engine import use_bf16
-from actloop.train.fused_ops import fused_operators
+from actloop.rollout.fused_ops import fused_operators
 
 def _kept_fp32(model: nn.Module) -> set[int]:
     """ids of the parameters of the modules a transformers model keeps in fp32

@@ -10,7 +10,7 @@ those pure functions:
 
 Everything per token lives in one `RolloutBatch`, built once per step: padded [B, T] tensors in
 the packed layout (row i holds trajectory i's sampled tokens in order; see
-`actloop.train.logprobs`), sliced per micro-batch with `RolloutBatch.rows`. The policy's
+`actloop.train.numerics.logprobs`), sliced per micro-batch with `RolloutBatch.rows`. The policy's
 log-probs of a micro-batch are put in the same layout, and the loss is one call on the slice.
 """
 
@@ -31,10 +31,10 @@ from actloop.algos.offpolicy import approx_proximal_logp, decoupled_pg_loss
 from actloop.config import Config, get_key
 from actloop.models import Models
 from actloop.monitor.metrics import mean
-from actloop.train.critic import Critic
+from actloop.train.rl.critic import Critic
 from actloop.rollout.engine import autocast_context
-from actloop.train.logprobs import backbone_and_head, hidden_at_targets, pack, place, token_logprobs
-from actloop.train.mixed_precision import update_precision
+from actloop.train.numerics.logprobs import backbone_and_head, hidden_at_targets, pack, place, token_logprobs
+from actloop.train.numerics.mixed_precision import update_precision
 from actloop.types import Scored
 
 @dataclass
@@ -45,7 +45,7 @@ class UpdateContext:
     critic: Critic | None
     beta: float  # current KL coefficient (fixed or adaptive)
     correction: str  # resolved IS-correction mode ("none" when the engine is the trainer's forward)
-    dist: Any = None  # actloop.train.distributed.Dist under torchrun (docs/distributed.md); None = one process
+    dist: Any = None  # actloop.train.runtime.distributed.Dist under torchrun (docs/distributed.md); None = one process
     lent_weights: dict[int, torch.Tensor] | None = None  # the engine's bf16 tensors for the update's casts (lend_weights)
     version: int = 0  # weight syncs before this update: the proximal policy's version (rollout.max_staleness)
 
@@ -134,7 +134,7 @@ def _share_prefix(ctx: UpdateContext) -> bool:
 
 
 def _precision(ctx: UpdateContext, need_ref: bool = False):
-    """The context of the update's passes (actloop.train.mixed_precision): bf16 weights of the
+    """The context of the update's passes (actloop.train.numerics.mixed_precision): bf16 weights of the
     policy, and of a separate reference model when KL needs it, under train.bf16_mode=weights."""
     t = ctx.cfg.train
     return update_precision(t.precision, t.bf16_mode, ctx.models.policy, ctx.models.reference_model() if need_ref else None,

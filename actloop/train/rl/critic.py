@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from actloop.rollout.engine import autocast_context
-from actloop.train.logprobs import backbone_and_head, hidden_at_targets
+from actloop.train.numerics.logprobs import backbone_and_head, hidden_at_targets
 
 
 class Critic(nn.Module):

@@ -40,7 +40,7 @@ def resolve_optimizer(kind: str, tensors: list[torch.Tensor]) -> str:
     if not plain(tensors):
         return "adamw"
     try:
-        import actloop.train.optim8bit  # noqa: F401
+        import actloop.train.numerics.optim8bit  # noqa: F401
     except ImportError as e:
         print(f"train.optimizer=auto: bitsandbytes unavailable ({e}); fp32 AdamW moments instead", file=sys.stderr)
         return "adamw"
@@ -77,12 +77,12 @@ def adamw_8bit(params: list[Any], tensors: list[torch.Tensor], lr: float, weight
     itself runs in fp32 (de-quantize, torch.optim.AdamW's update, re-quantize). ~2 bytes a
     parameter instead of 8: for the 135M model 0.27 GB of state instead of 1.08 GB. The paper
     matches 32-bit Adam across language-model pre-training and fine-tuning. On CPU, stepped in
-    chunks (`actloop.train.optim8bit`)."""
+    chunks (`actloop.train.numerics.optim8bit`)."""
     if not plain(tensors):
         raise ValueError("train.optimizer=adamw_8bit needs plain CPU or CUDA tensors (not FSDP's sharded "
                          "DTensors): use adamw or adamw_bf16_momentum under torchrun")
     try:
-        from actloop.train.optim8bit import AdamW8bit
+        from actloop.train.numerics.optim8bit import AdamW8bit
     except ImportError as e:  # a dependency of actloop; a broken install lands here
         raise RuntimeError(f"train.optimizer=adamw_8bit needs bitsandbytes (pip install bitsandbytes): {e}") from e
     return AdamW8bit(params, lr=lr, weight_decay=weight_decay)
@@ -145,3 +145,9 @@ def drop_state(optimizer: torch.optim.Optimizer) -> None:
     evaluation's peak."""
     optimizer.state.clear()
     optimizer.zero_grad(set_to_none=True)
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
+    """A linear warm-up of the learning rate over `warmup_steps` optimizer steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)

@@ -4,7 +4,7 @@ transformers' LlamaRMSNorm (and Qwen2's, Qwen3's, Mistral's, the same code) runs
 `h = x.float(); h * rsqrt(h.pow(2).mean(-1) + eps)`, casts back and scales: ~8 operators forward,
 as many backward, and autograd keeps two fp32 copies of every normed activation for the backward.
 Their MLP's `act_fn(gate_proj(x)) * up_proj(x)` keeps SiLU's output besides gate and up. Under
-`train.bf16_mode=weights` (activations bf16, actloop.train.mixed_precision) the norms were ~0.2 s
+`train.bf16_mode=weights` (activations bf16, actloop.train.numerics.mixed_precision) the norms were ~0.2 s
 of the benchmark's ~3 s update on the 2-core Zen 4 box, mostly the page faults of those copies
 (docs/performance.md).
 

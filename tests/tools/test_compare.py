@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from actloop.train.compare import (AlgoResult, MeanStd, _split_overrides, aggregate, markdown_table, peak_memory,
+from actloop.tools.compare import (AlgoResult, MeanStd, _split_overrides, aggregate, markdown_table, peak_memory,
                                    pairwise_tests, plot, run_child, run_compare, success_before, summarize_run)
 
 
@@ -233,7 +233,7 @@ def test_compare_is_a_cli_command_and_dr_grpo_a_variant():
     from typer.testing import CliRunner
 
     from actloop.cli import app
-    from actloop.train.compare import ALGORITHMS
+    from actloop.tools.compare import ALGORITHMS
 
     out = CliRunner().invoke(app, ["compare", "--help"])
     assert out.exit_code == 0 and all(o in out.output for o in ("--algos", "--set", "--seeds", "--parallel"))

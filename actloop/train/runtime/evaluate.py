@@ -16,22 +16,10 @@ from typing import Any, Sequence
 from actloop.tasks import LoadedTask
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import Engine, SamplingParams
-from actloop.rollout.episodes import run_episodes
+from actloop.rollout.episodes import run_batched, task_episodes
 from actloop.rollout.renderer import Renderer
 from actloop.rewards.rubric import Rubric
 from actloop.types import Scored, Trajectory
-
-
-def task_episodes(task: LoadedTask, engine: Engine, renderer: Renderer, rows: list[dict[str, Any]],
-                  params: SamplingParams, max_turns: int, max_context: int = 4096,
-                  schedule: str = "auto") -> list[Trajectory]:
-    """The task's episodes for `rows`, however they run: the task's own runner (the agent task
-    behind the gateway), whole episodes on the engine's workers (Ray), or the episode runner here."""
-    if task.rollout is not None:
-        return task.rollout(engine, renderer, task.make_env, rows, params, max_turns, max_context)
-    if engine.runs_episodes:
-        return engine.run_episodes(rows, params, max_turns, max_context)
-    return run_episodes(engine, renderer, task.make_env, rows, params, max_turns, max_context, schedule=schedule)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,19 +43,6 @@ def set_grader_workers(rubric: Rubric, workers: int) -> None:
 
 def row_id(row: dict[str, Any], index: int) -> Any:
     return row.get("task_id", row.get("id", index))
-
-
-def run_batched(task: LoadedTask, engine: Engine, renderer: Renderer, rows: list[dict[str, Any]],
-                params: SamplingParams, max_turns: int, max_context: int, max_batch: int = 0,
-                schedule: str = "auto") -> list[Trajectory]:
-    """`task_episodes` for `rows` (one each, in order), at most `max_batch` at once (0 = all): the
-    engine's memory grows with the episodes it runs together (rollout.max_batch)."""
-    size = max_batch if max_batch > 0 else max(len(rows), 1)
-    out: list[Trajectory] = []
-    for start in range(0, len(rows), size):
-        out += task_episodes(task, engine, renderer, rows[start : start + size], params, max_turns, max_context,
-                             schedule)
-    return out
 
 
 def evaluate(engine: Engine, renderer: Renderer, task: LoadedTask, rows: list[dict[str, Any]], max_new_tokens: int,

@@ -6,15 +6,15 @@ Offline (`algo=dpo`, the default `dpo.online=false`):
              policy log-probs of chosen + rejected ─► algos.dpo_loss ─► clip ─► AdamW
 
   The pairs come from `data.path` (JSONL rows `prompt`, `chosen`, `rejected`; see
-  `actloop.train.pairs`) or, without it, from the initial policy on `data.task` (calculator):
+  `actloop.train.offline.pairs`) or, without it, from the initial policy on `data.task` (calculator):
   `train.steps * train.prompts_per_step` training problems, `train.group_size` samples each,
   best vs worst reward per group (`algos.build_preference_pairs`, ties skipped), generated once
   at the start and written to RUN_DIR/pairs.jsonl. The reference is the initial policy, so its
   log-probs are computed with the policy itself before the first update and kept as numbers: no
   reference model is held during training.
 
-Online (`dpo.online=true`) is not here: it runs in the online loop of actloop.train.trainer with
-`actloop.train.preference.preference_update` as its update (failure guard, monitor, checkpoints
+Online (`dpo.online=true`) is not here: it runs in the online loop of actloop.train.rl.loop with
+`actloop.train.offline.preference.preference_update` as its update (failure guard, monitor, checkpoints
 and resume included). The loss on token log-probs (`preference_loss`) is shared.
 """
 
@@ -26,15 +26,16 @@ import torch
 
 from actloop.algos.dpo import build_preference_pairs
 from actloop.config import Config
+from actloop.data.sampler import PromptSampler
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
-from actloop.train.common import Run, Timer, offline_schedule, progress_bar
-from actloop.train.mixed_precision import update_precision
-from actloop.train.pairs import Pair, check_rows, load_preference_pairs, messages_json, parse_preference_row
-from actloop.train.preference import (online_dpo_loss, pairs_kl, preference_loss, scored_sequence,  # noqa: F401
+from actloop.train.offline.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
+from actloop.train.numerics.mixed_precision import update_precision
+from actloop.train.offline.pairs import Pair, check_rows, load_preference_pairs, messages_json, parse_preference_row
+from actloop.train.offline.preference import (online_dpo_loss, pairs_kl, preference_loss, scored_sequence,  # noqa: F401
                                       sequence_logps)
-from actloop.train.trainer import PromptSampler, RunResult
+from actloop.train.runtime.run import Run, RunResult, progress_bar
 from actloop.types import Scored
 
 @torch.no_grad()
@@ -78,7 +79,7 @@ def dpo_step(cfg: Config, run: Run, optimizer, scheduler, pairs: list[Pair],
             (loss * len(chunk) / len(pairs)).backward()
             all_pc += [x.detach() for x in pc]
             all_pr += [x.detach() for x in pr]
-    grad_norm = run.clip_and_step(optimizer, scheduler)
+    grad_norm = clip_and_step(cfg, run.models, optimizer, scheduler)
     _, m = pair_loss(cfg, all_pc, all_pr, [r[0] for r in refs], [r[1] for r in refs])
     m["loss"] = m.pop("dpo_loss")
     m["kl"] = pairs_kl(all_pc + all_pr, [r[0] for r in refs] + [r[1] for r in refs], cfg.kl.estimator)
@@ -142,7 +143,7 @@ def train_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
 def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     if cfg.data.path:
         check_rows(cfg.data.path, parse_preference_row)  # bad data fails before a run directory exists
-    run = Run(cfg, print_fn)
+    run = offline_run(cfg, print_fn)
     run.evaluate("eval_before")
     if cfg.data.path:
         pairs = load_preference_pairs(cfg.data.path, run.renderer)
@@ -154,7 +155,7 @@ def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> Run
     refs = reference_logps(run.models.policy, pairs, cfg.train.precision, cfg.train.micro_batch_size,
                            cfg.train.bf16_mode)
     run.summary["reference_seconds"] = round(time.time() - t0, 2)
-    optimizer, scheduler = run.optimizer()
+    optimizer, scheduler = offline_optimizer(cfg, run.models)
     plan = offline_schedule(cfg, len(pairs), cfg.dpo.batch_size, cfg.dpo.epochs, "pairs", "dpo.epochs", print_fn)
     with progress_bar(len(plan), progress) as bar:
         tid = bar.add_task("dpo", total=len(plan), loss=0.0)
@@ -166,4 +167,4 @@ def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> Run
             bar.update(tid, advance=1, loss=m["loss"])
     if not pairs:
         print_fn("no preference pairs: nothing to train on (every group tied?)")
-    return run.finish(optimizer)
+    return run.finish(optimizer, lambda out: save_full_model(run.models, out))

@@ -1,6 +1,6 @@
 """SFT: supervised fine-tuning on (multi-turn, tool-using) conversations, loss on assistant tokens.
 
-    conversations ─► Renderer (as a rollout renders them; `actloop.train.pairs`) ─► ids + mask
+    conversations ─► Renderer (as a rollout renders them; `actloop.train.offline.pairs`) ─► ids + mask
                   ─► batches of sft.batch_size, sft.epochs passes ─► token-mean NLL ─► AdamW
 
 The data is `data.path` (JSONL rows with `messages`, or `prompt` + `completion`) or, without it,
@@ -30,13 +30,14 @@ import dataclasses
 
 from actloop.algos.batching import token_budget_batches
 from actloop.config import Config, ConfigError
+from actloop.data.sampler import PromptSampler
 from actloop.tasks.base import LoadedTask
 from actloop.tasks.registry import build_task
-from actloop.train.common import Run, Timer, offline_schedule, progress_bar
-from actloop.train.logprobs import token_logprobs
-from actloop.train.mixed_precision import update_precision
-from actloop.train.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
-from actloop.train.trainer import PromptSampler, RunResult
+from actloop.train.offline.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
+from actloop.train.numerics.logprobs import token_logprobs
+from actloop.train.numerics.mixed_precision import update_precision
+from actloop.train.offline.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
+from actloop.train.runtime.run import Run, RunResult, progress_bar
 
 
 def sft_step(cfg: Config, run: Run, optimizer, scheduler, batch: list[Sequence]) -> dict[str, float]:
@@ -61,7 +62,7 @@ def sft_step(cfg: Config, run: Run, optimizer, scheduler, batch: list[Sequence])
             (nll / n_tokens).backward()
             nll_sum += float(nll.detach())
             ent_sum += float((out.entropy * out.mask).sum())
-    grad_norm = run.clip_and_step(optimizer, scheduler)
+    grad_norm = clip_and_step(cfg, run.models, optimizer, scheduler)
     return {"loss": nll_sum / n_tokens, "entropy": ent_sum / n_tokens, "tokens": n_tokens,
             "conversations": len(batch), "grad_norm": grad_norm}
 
@@ -103,10 +104,10 @@ def train_sft(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     gold = None if cfg.data.path else gold_task(cfg)
     if cfg.data.path:
         check_rows(cfg.data.path, parse_sft_row)
-    run = Run(cfg, print_fn)
+    run = offline_run(cfg, print_fn)
     run.evaluate("eval_before")
     seqs = sft_data(cfg, run, gold, print_fn)
-    optimizer, scheduler = run.optimizer()
+    optimizer, scheduler = offline_optimizer(cfg, run.models)
     plan = offline_schedule(cfg, len(seqs), cfg.sft.batch_size, cfg.sft.epochs, "conversations", "sft.epochs", print_fn)
     with progress_bar(len(plan), progress) as bar:
         tid = bar.add_task("sft", total=len(plan), loss=0.0)
@@ -116,5 +117,5 @@ def train_sft(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
             run.log({"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)},
                     timer())
             bar.update(tid, advance=1, loss=m["loss"])
-    return run.finish(optimizer)
+    return run.finish(optimizer, lambda out: save_full_model(run.models, out))
 

@@ -1,12 +1,12 @@
 """Preference (DPO/IPO) losses on token log-probs, and the preference update of the online loop.
 
 `algo=dpo dpo.online=true` runs in the same rollout loop as the policy-gradient algorithms
-(actloop.train.trainer: failure guard, monitor, checkpoints, resume); its row in
+(actloop.train.rl.loop: failure guard, monitor, checkpoints, resume); its row in
 `actloop.algos.ALGORITHMS` declares `loss="preference"`, so the loop calls `preference_update`
 where the others call `rl_update`: each group's best-vs-worst pair (`algos.build_preference_pairs`,
 ties skipped), the policy's log-probs with gradient, the reference's under
 `models.reference_context()`, `algos.dpo_loss`, one optimizer step. Offline DPO
-(actloop.train.dpo) uses the same loss on fixed pairs.
+(actloop.train.offline.dpo) uses the same loss on fixed pairs.
 
 Sequence log-prob = sum over the completion's assistant tokens (sigmoid, as in the DPO paper);
 mean over tokens for IPO (as in the IPO paper and TRL). Log-probs use temperature 1 (the policy's
@@ -23,9 +23,9 @@ from actloop.algos import KL_ESTIMATORS
 from actloop.algos.batching import token_budget_batches
 from actloop.algos.dpo import build_preference_pairs, dpo_loss
 from actloop.models import Models
-from actloop.train.logprobs import token_logprobs
-from actloop.train.mixed_precision import update_precision
-from actloop.train.pairs import Sequence
+from actloop.train.numerics.logprobs import token_logprobs
+from actloop.train.numerics.mixed_precision import update_precision
+from actloop.train.offline.pairs import Sequence
 from actloop.types import Scored
 
 # How a completion's token log-probs become its sequence log-prob, per `dpo.loss`.
@@ -107,7 +107,7 @@ def online_dpo_loss(models: Models, scored: list[Scored], rewards: torch.Tensor,
 
 def preference_update(ctx: Any, scored: list[Scored], group_size: int) -> dict[str, Any]:
     """One optimizer step of DPO on the step's rollout groups (the update of `loss="preference"`
-    rows; ctx is actloop.train.update.UpdateContext). Pairs go through in micro-batches of
+    rows; ctx is actloop.train.rl.update.UpdateContext). Pairs go through in micro-batches of
     train.micro_batch_size sequences (within train.max_tokens_per_microbatch); the gradient is that of the mean loss over all pairs. A
     step where every group ties trains nothing (trained_trajectories 0, no optimizer step)."""
     cfg, t = ctx.cfg, ctx.cfg.train

@@ -1,4 +1,4 @@
-"""RMSNorm and SiLU(gate) x up for the update's bf16 passes (actloop/train/fused_ops.py): the kernels
+"""RMSNorm and SiLU(gate) x up for the update's bf16 passes (actloop/rollout/fused_ops.py): the kernels
 compute what transformers' LlamaRMSNorm and LlamaMLP compute through autograd, values and gradients."""
 
 import pytest
@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from actloop.rollout import cpu_kernel
-from actloop.train import fused_ops
-from actloop.train.fused_ops import RMSNormBF16, SwiGLUBF16, fused_operators
+from actloop.rollout import fused_ops
+from actloop.rollout.fused_ops import RMSNormBF16, SwiGLUBF16, fused_operators
 
 needs_swiglu = pytest.mark.skipif(
     not cpu_kernel.can_swiglu(*(torch.zeros(2, dtype=torch.bfloat16),) * 2),
@@ -106,7 +106,7 @@ def test_swiglu_is_llama_mlps_silu_times_up_values_and_gradients():
 def test_the_updates_bf16_weights_context_routes_the_norms_and_mlps():
     """update_precision (what every update pass runs in) turns the routing on under bf16 weights, and
     only there: with the fp32 / autocast recipes the modules keep their own forward."""
-    from actloop.train.mixed_precision import update_precision
+    from actloop.train.numerics.mixed_precision import update_precision
 
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64)
