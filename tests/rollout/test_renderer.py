@@ -1,3 +1,4 @@
+from actloop.train.offline.pairs import masked_spans
 from actloop.rollout.renderer import Renderer, parse_tool_calls
 from actloop.types import Message, Trajectory, Turn
 
@@ -48,14 +49,7 @@ def test_loss_mask_decodes_to_exactly_the_assistant_turns(tokenizer):
     )
     ids, mask = traj.input_ids, traj.loss_mask
     assert len(ids) == len(mask) == len(traj.logprobs)
-    spans, cur = [], []
-    for t, m in zip(ids, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(cur)
-            cur = []
-    spans.append(cur)
+    spans = masked_spans(ids, mask)
     assert [r.decode(s) for s in spans] == [texts[0], texts[1] + "<|im_end|>"]
     # and the whole sequence is what the chat template renders for that conversation
     full = r.history_text(traj.messages)

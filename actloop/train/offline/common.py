@@ -19,7 +19,7 @@ from actloop.models import Models, load_models
 from actloop.rollout.factory import make_engine
 from actloop.rollout.renderer import Renderer
 from actloop.train.numerics.optim import adamw, warmup_schedule
-from actloop.train.runtime.run import Run, setup_process
+from actloop.train.runtime.run import Run, progress_bar, setup_process
 
 
 def eval_task(cfg: Config) -> LoadedTask:
@@ -108,6 +108,20 @@ def offline_schedule(cfg: Config, n: int, batch_size: int, epochs: int, what: st
     passes = math.ceil(total / per_epoch) if n else 0
     steps = minibatches(n, bs, passes, seed=cfg.seed)[:total]  # the update path's schedule (algos.batching)
     return [(k + 1, k // per_epoch + 1, idx) for k, idx in enumerate(steps)]
+
+
+def offline_loop(run: Run, plan: list[tuple[int, int, list[int]]], label: str, progress: bool, scheduler: Any,
+                 step_fn: Any) -> None:
+    """An offline trainer's loop over its `plan` (offline_schedule): `step_fn(item indices) ->
+    metrics` per step, one metrics line each with its epoch, learning rate and seconds."""
+    with progress_bar(len(plan), progress) as bar:
+        tid = bar.add_task(label, total=len(plan), loss=0.0)
+        for step, epoch, idx in plan:
+            timer = Timer()
+            m = step_fn(idx)
+            run.log({"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)},
+                    timer())
+            bar.update(tid, advance=1, loss=m["loss"])
 
 
 class Timer:

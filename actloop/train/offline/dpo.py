@@ -30,12 +30,13 @@ from actloop.data.sampler import PromptSampler
 from actloop.monitor.metrics import mean
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.episodes import run_episodes
-from actloop.train.offline.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
+from actloop.train.offline.common import (clip_and_step, offline_loop, offline_optimizer, offline_run, offline_schedule,
+                                          save_full_model)
 from actloop.train.numerics.mixed_precision import update_precision
 from actloop.train.offline.pairs import Pair, check_rows, load_preference_pairs, messages_json, parse_preference_row
 from actloop.train.offline.preference import (online_dpo_loss, pairs_kl, preference_loss, scored_sequence,  # noqa: F401
                                       sequence_logps)
-from actloop.train.runtime.run import Run, RunResult, progress_bar
+from actloop.train.runtime.run import Run, RunResult
 from actloop.types import Scored
 
 @torch.no_grad()
@@ -157,14 +158,8 @@ def train_offline_dpo(cfg: Config, progress: bool = True, print_fn=print) -> Run
     run.summary["reference_seconds"] = round(time.time() - t0, 2)
     optimizer, scheduler = offline_optimizer(cfg, run.models)
     plan = offline_schedule(cfg, len(pairs), cfg.dpo.batch_size, cfg.dpo.epochs, "pairs", "dpo.epochs", print_fn)
-    with progress_bar(len(plan), progress) as bar:
-        tid = bar.add_task("dpo", total=len(plan), loss=0.0)
-        for step, epoch, idx in plan:
-            timer = Timer()
-            m = dpo_step(cfg, run, optimizer, scheduler, [pairs[i] for i in idx], [refs[i] for i in idx])
-            record = {"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)}
-            run.log(record, timer())
-            bar.update(tid, advance=1, loss=m["loss"])
+    offline_loop(run, plan, "dpo", progress, scheduler,
+                 lambda idx: dpo_step(cfg, run, optimizer, scheduler, [pairs[i] for i in idx], [refs[i] for i in idx]))
     if not pairs:
         print_fn("no preference pairs: nothing to train on (every group tied?)")
     return run.finish(optimizer, lambda out: save_full_model(run.models, out))

@@ -33,11 +33,12 @@ from actloop.config import Config, ConfigError
 from actloop.data.sampler import PromptSampler
 from actloop.tasks.base import LoadedTask
 from actloop.tasks.registry import build_task
-from actloop.train.offline.common import Timer, clip_and_step, offline_optimizer, offline_run, offline_schedule, save_full_model
+from actloop.train.offline.common import (clip_and_step, offline_loop, offline_optimizer, offline_run, offline_schedule,
+                                          save_full_model)
 from actloop.train.numerics.logprobs import token_logprobs
 from actloop.train.numerics.mixed_precision import update_precision
 from actloop.train.offline.pairs import Sequence, check_rows, gold_sequences, load_sft_sequences, parse_sft_row
-from actloop.train.runtime.run import Run, RunResult, progress_bar
+from actloop.train.runtime.run import Run, RunResult
 
 
 def sft_step(cfg: Config, run: Run, optimizer, scheduler, batch: list[Sequence]) -> dict[str, float]:
@@ -109,13 +110,7 @@ def train_sft(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
     seqs = sft_data(cfg, run, gold, print_fn)
     optimizer, scheduler = offline_optimizer(cfg, run.models)
     plan = offline_schedule(cfg, len(seqs), cfg.sft.batch_size, cfg.sft.epochs, "conversations", "sft.epochs", print_fn)
-    with progress_bar(len(plan), progress) as bar:
-        tid = bar.add_task("sft", total=len(plan), loss=0.0)
-        for step, epoch, idx in plan:
-            timer = Timer()
-            m = sft_step(cfg, run, optimizer, scheduler, [seqs[i] for i in idx])
-            run.log({"step": step, "epoch": epoch, **m, "lr": scheduler.get_last_lr()[0], "step_s": round(timer(), 3)},
-                    timer())
-            bar.update(tid, advance=1, loss=m["loss"])
+    offline_loop(run, plan, "sft", progress, scheduler,
+                 lambda idx: sft_step(cfg, run, optimizer, scheduler, [seqs[i] for i in idx]))
     return run.finish(optimizer, lambda out: save_full_model(run.models, out))
 
