@@ -26,6 +26,15 @@ constraint is the usual guard against reward collapse); `--beta 0` times the KL-
     python benchmarks/grpo_vs_trl.py --mode full --repeats 2 --steps 4 --threads 2
     python benchmarks/grpo_vs_trl.py --only actloop --precision fp32    # default auto: bf16 where native
 
+TRL's fastest documented setting, `use_vllm=True, vllm_mode="colocate"`, cannot run on vLLM's
+x86 CPU build (0.31.0, inside TRL 1.16's supported range, and 0.32.0): TRL syncs weights by
+calling the model's `load_weights` per parameter, and the CPU build has by then moved each linear
+layer's weights into a packed oneDNN copy, leaving a `weight` without a `weight_loader`
+(`AttributeError: 'Parameter' object has no attribute 'weight_loader'` at the first sync; the same
+with `vllm_model_impl="transformers"`). It runs only with TRL's sync patched to vLLM's layerwise
+`reload_weights`, which is no longer TRL as shipped, so this benchmark does not offer it; on a GPU,
+compare against it there. docs/performance.md has the details.
+
 Needs the `bench` extra (trl, datasets) for the TRL side, in this interpreter or in the one
 `--trl-python` (or ACTLOOP_TRL_PYTHON) names: a separate environment for TRL alone, e.g. a venv
 whose .pth file adds this one's site-packages (the same torch and transformers for both).
