@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -82,3 +83,35 @@ def pytest_collection_modifyitems(config, items):
         for item in uses:
             item.add_marker(pytest.mark.skip(reason=f"the Harmony library cannot load: {reason[:400]}"))
 from fixtures.calling_gpt_oss import calling_gpt_oss  # noqa: E402,F401  (session fixture)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(tmp_path_factory):
+    """An exclusive lock shared by the pytest-xdist workers of one session (their base temp dirs
+    share a parent): tests that start several model processes hold it, so two of them never run
+    side by side. Ray's vLLM actors beside torchrun's vLLM ranks peaked at 95% of the 24 GB box
+    and Ray's memory monitor killed an actor."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(root / "many-processes.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module")
+def many_processes_module(tmp_path_factory):
+    """`_one_at_a_time` for a whole module (one Ray session for its tests)."""
+    with _one_at_a_time(tmp_path_factory):
+        yield
+
+
+@pytest.fixture
+def many_processes(tmp_path_factory):
+    """`_one_at_a_time` for one test."""
+    with _one_at_a_time(tmp_path_factory):
+        yield

@@ -405,7 +405,8 @@ def test_torchrun_killed_on_both_ranks_and_resumed_matches_uninterrupted(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_torchrun_with_a_vllm_engine_per_rank_killed_and_resumed_matches_uninterrupted(tmp_path, model_dir):
+def test_torchrun_with_a_vllm_engine_per_rank_killed_and_resumed_matches_uninterrupted(tmp_path, model_dir,
+                                                                                      many_processes):
     """As above with `rollout.engine=vllm`: each rank samples with its own vLLM engine (vLLM's
     `external_launcher` executor inside torchrun's process group), loaded in place after every update
     with the full weights gathered from the FSDP shards (and from the sharded checkpoint on resume).
