@@ -3,11 +3,11 @@
 sandbox actors return the local ExecResult with its limits enforced. One Ray session for the
 module (startup is slow here); every actor uses one torch thread."""
 
-import os
 import copy
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
