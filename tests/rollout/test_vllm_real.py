@@ -127,7 +127,7 @@ def test_the_memory_released_for_the_update_comes_back_with_the_sync(engine, pol
 
 def test_a_short_request_joins_the_running_batch_and_leaves_first(engine, renderer):
     long = engine.submit(_prompt(renderer, "Write a long story about a fox."),
-                         SamplingParams(max_new_tokens=400, temperature=1.0))
+                         SamplingParams(max_new_tokens=160, temperature=1.0))
     time.sleep(0.3)  # the long request is decoding
     short = engine.submit(_prompt(renderer), SamplingParams(max_new_tokens=4, temperature=1.0))
     assert len(short.result(timeout=120).token_ids) <= 4
