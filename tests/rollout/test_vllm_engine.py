@@ -507,6 +507,9 @@ def test_auto_resolves_to_vllm_where_installed_else_hf_and_says_why(monkeypatch,
     kind, why = factory.resolve_engine(load_config(None, ["train.routing_replay=true"]))
     assert kind == "hf" and "routing_replay" in why
     assert factory.resolve_engine(load_config(None, ["rollout.engine=hf"])) == ("hf", "rollout.engine=hf")
+    kind, why = factory.resolve_engine(load_config(None, ["lora.enabled=true"]))
+    assert kind == ("vllm" if torch.cuda.is_available() else "hf") and ("LoRA" in why or kind == "vllm")
+    assert factory.resolve_engine(load_config(None, ["lora.enabled=true", "rollout.engine=vllm"]))[0] == "vllm"
     kind, why = factory.resolve_engine(load_config(None, ["model=openai/gpt-oss-20b"]))
     assert kind == "hf" and "sinks and experts" in why
     local = tmp_path / "tiny"
