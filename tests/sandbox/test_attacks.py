@@ -97,7 +97,9 @@ def numeric_marker() -> str:
     return str(uuid.uuid4().int)[:18]
 
 
-def wait_gone(marker: str, within: float = 1.0) -> list[tuple[int, str]]:
+def wait_gone(marker: str, within: float = 5.0) -> list[tuple[int, str]]:
+    """The processes carrying `marker` still alive after `within` seconds (Docker tears a container
+    down after `docker run` returns: on a loaded 2-core box its processes took over a second to go)."""
     deadline = time.monotonic() + within
     while True:
         left = procs_with(marker)
