@@ -115,3 +115,23 @@ def many_processes(tmp_path_factory):
     """`_one_at_a_time` for one test."""
     with _one_at_a_time(tmp_path_factory):
         yield
+
+
+@pytest.fixture(scope="module")
+def ray_session(many_processes_module):
+    """One local Ray session (2 CPUs) for a module's tests. Ray's memory monitor is off in it: it
+    kills the newest worker when the node passes a share of its memory (95% by default, 98% did
+    not stop it in CI), and on a box shared with the other pytest worker that killed our actors
+    mid-test; the kernel's OOM killer stays the backstop."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'actloop[ray]')")
+    before = os.environ.get("RAY_memory_monitor_refresh_ms")
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # read by the raylet ray.init starts
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+        else:
+            os.environ["RAY_memory_monitor_refresh_ms"] = before

@@ -267,6 +267,7 @@ def use_as_default(sandbox) -> None:
 
 
 def _actor_died(exc: BaseException) -> bool:
-    """RayActorError and its kin (ActorDiedError, ActorUnavailableError): the actor is gone."""
-    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+    """RayActorError and its kin (ActorDiedError, ActorUnavailableError): the actor is gone. So is
+    an actor whose call failed with OutOfMemoryError: Ray's memory monitor killed its process."""
+    return any(c.__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError", "OutOfMemoryError")
                for c in type(exc).__mro__)

@@ -278,17 +278,16 @@ def test_training_against_a_flaky_vllm_server_completes_and_reports(stand_in, tm
 
 
 @pytest.mark.slow
-def test_ray_actor_sigkilled_mid_request_is_replaced_with_the_synced_weights(tmp_path, fp32_model):
+def test_ray_actor_sigkilled_mid_request_is_replaced_with_the_synced_weights(ray_session, tmp_path, fp32_model):
     import copy
     import os
     import signal
     import time
 
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'actloop[ray]')")
     from actloop.config import load_config
     from actloop.rollout.ray_engine import RayEngine
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray = ray_session
     engine = None
     try:
         cfg = load_config(None, ["train.threads=1", "ray.num_rollout_workers=1", "ray.cpus_per_worker=1",
@@ -326,4 +325,3 @@ def test_ray_actor_sigkilled_mid_request_is_replaced_with_the_synced_weights(tmp
     finally:
         if engine is not None:
             engine.close()
-        ray.shutdown()

@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -27,12 +26,13 @@ def test_shard_bounds_contiguous_and_balanced():
         shard_bounds(3, 0)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")  # not 0.95: the other pytest worker shares the box
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+def test_a_call_killed_by_rays_memory_monitor_counts_as_a_dead_actor():
+    from actloop.rollout.ray_engine import _actor_died
+
+    assert _actor_died(ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory."))
+    assert _actor_died(ray.exceptions.ActorDiedError()) and _actor_died(ray.exceptions.ActorUnavailableError("gone", None))
+    assert not _actor_died(ray.exceptions.RayTaskError("load_weights", "Traceback ...", ValueError("bad shape")))
+    assert not _actor_died(ValueError("bad shape"))
 
 
 def _cfg(tmp, *extra):

@@ -26,16 +26,6 @@ VLLM = ["ray.worker_engine=vllm", "ray.cpus_per_worker=1", "rollout.vllm_kv_cach
         "rollout.vllm_enforce_eager=true", "rollout.vllm_max_model_len=512", "train.threads=1"]
 
 
-@pytest.fixture(scope="module")
-def ray_session(many_processes_module):
-    # Ray's memory monitor kills a worker at 95% of the node's memory by default: this box's 24 GB
-    # hold the driver, two vLLM actors and the other pytest worker's test
-    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_vllm_actors_follow_each_weight_push(ray_session, fp32_model, tmp_path):
     import copy
 
