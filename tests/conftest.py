@@ -1,4 +1,5 @@
 import contextlib
+import gc
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,28 @@ def fp32_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_each_module(request):
+    """After each test module, the C heap's free pages go back to the OS (`release_freed_memory`).
+    Without it a pytest worker's RSS grew over the session (12 and 6 GB for the two workers by
+    the Ray tests near its end, when the kernel's OOM killer took the Ray test's vLLM actors).
+    ACTLOOP_TEST_RSS_LOG=FILE appends "module rss-before rss-after" (MB) per module."""
+    yield
+    from actloop.train.runtime.memory import release_freed_memory
+
+    log = os.environ.get("ACTLOOP_TEST_RSS_LOG")
+    before = _rss_mb() if log else 0
+    release_freed_memory()
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {request.module.__name__} {before} {_rss_mb()} frozen={gc.get_freeze_count()}\n")
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
 
 
 def pytest_runtest_setup(item):
@@ -118,7 +141,7 @@ def many_processes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_session(many_processes_module):
+def ray_session():
     """One local Ray session (2 CPUs) for a module's tests. Ray's memory monitor is off in it: it
     kills the newest worker when the node passes a share of its memory (95% by default, 98% did
     not stop it in CI), and on a box shared with the other pytest worker that killed our actors

@@ -251,7 +251,10 @@ class RayEngine(EngineBase):
             ray.kill(w)
         self.workers = []
         if self.sandbox is not None:
+            if code_rewards._DEFAULT_SANDBOX is self.sandbox:  # graders go back to a local sandbox
+                code_rewards._DEFAULT_SANDBOX = None
             self.sandbox.close()
+            self.sandbox = None
 
 
 def _adapter_dir(cfg: Config, index: int) -> Path:

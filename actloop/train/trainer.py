@@ -14,7 +14,7 @@ from actloop.config import Config, ConfigError
 from actloop.train.rl.loop import train_online
 from actloop.train.runtime import rundir
 from actloop.train.runtime.distributed import launched_by_torchrun
-from actloop.train.runtime.run import RunResult
+from actloop.train.runtime.run import RunResult, close_runs
 
 
 def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
@@ -34,5 +34,6 @@ def train(cfg: Config, progress: bool = True, print_fn=print) -> RunResult:
         module, name = alg.trainer.split(":")
         return getattr(importlib.import_module(module), name)(cfg, progress=progress, print_fn=print_fn)
     finally:
+        close_runs()  # the run's engine (threads, vLLM, Ray actors) and the model copy it holds
         rundir.release()  # the run directory's lock (the kernel drops it anyway when the process ends)
         torch.set_num_threads(cfg.train.threads or threads)  # the loop kept one for itself (train_online)

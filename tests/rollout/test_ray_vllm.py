@@ -26,6 +26,12 @@ VLLM = ["ray.worker_engine=vllm", "ray.cpus_per_worker=1", "rollout.vllm_kv_cach
         "rollout.vllm_enforce_eager=true", "rollout.vllm_max_model_len=512", "train.threads=1"]
 
 
+@pytest.fixture(scope="module")
+def ray_session(many_processes_module, ray_session):
+    """conftest's Ray session, never beside another many-process test: the driver and two vLLM actors."""
+    return ray_session
+
+
 def test_vllm_actors_follow_each_weight_push(ray_session, fp32_model, tmp_path):
     import copy
 

@@ -24,6 +24,7 @@ from actloop.rollout.renderer import Renderer  # noqa: E402
 from actloop.tasks.calculator import CalculatorEnv  # noqa: E402
 from actloop.types import Message  # noqa: E402
 from fixtures.calling_gpt_oss import ROW, episode_ids  # noqa: E402
+from fixtures.logprob_gap import logprob_gaps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,17 +65,10 @@ def test_the_call_on_the_analysis_channel_is_sampled_by_vllm_and_executed(callin
 def test_vllms_logprobs_are_the_trainers_with_sinks_and_the_sliding_window(calling_gpt_oss, engine):
     """Sampled at T = 1 from the episode's prompt (> 8 tokens: the sliding layer drops keys), the
     engine's log-probs against the trainer's (fp32 both)."""
-    from actloop.train.numerics.logprobs import token_logprobs
-
     path, model = calling_gpt_oss
     r = Renderer(model_tokenizer(path))
     prompt = open_episode(r, CalculatorEnv(shots=[]), ROW)[2]
-    comps = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=32, temperature=1.0))
-    seqs = [prompt + list(c.token_ids) for c in comps]
-    masks = [[0] * len(prompt) + [1] * len(c.token_ids) for c in comps]
-    with torch.no_grad():
-        out = token_logprobs(model, seqs, masks, temperature=1.0, precision="fp32")
-    gaps = torch.cat([(torch.tensor(c.logprobs) - out.logp[i][out.mask[i]]).abs() for i, c in enumerate(comps)])
+    gaps = logprob_gaps(engine, model, prompt, max_new_tokens=32, precision="fp32")
     print(f"vLLM vs trainer on the tiny o200k GPT-OSS: {len(gaps)} tokens, max |gap| {float(gaps.max()):.2e}, "
           f"mean {float(gaps.mean()):.2e}")
     assert float(gaps.max()) < 1e-2

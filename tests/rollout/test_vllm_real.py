@@ -16,6 +16,7 @@ from actloop.rollout.engine import SamplingParams  # noqa: E402
 from actloop.rollout.renderer import Renderer  # noqa: E402
 from actloop.rollout.vllm_engine import VLLMEngine, release_packed_weights  # noqa: E402
 from actloop.types import Message  # noqa: E402
+from fixtures.logprob_gap import logprob_gaps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,17 +52,7 @@ def _greedy(engine, prompts, n=24):
 
 def _mean_gap(engine, model, prompt):
     """Mean |engine log-prob - trainer log-prob| over 4 sampled completions (T = 1)."""
-    from actloop.train.numerics.logprobs import token_logprobs
-
-    comps = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=24, temperature=1.0))
-    assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in comps)
-    seqs = [prompt + list(c.token_ids) for c in comps]
-    masks = [[0] * len(prompt) + [1] * len(c.token_ids) for c in comps]
-    with torch.no_grad():
-        out = token_logprobs(model, seqs, masks, temperature=1.0, precision="bf16")
-    d = torch.cat([(torch.tensor(c.logprobs, device=out.logp.device) - out.logp[i][out.mask[i]]).abs()
-                   for i, c in enumerate(comps)])
-    return float(d.mean())
+    return float(logprob_gaps(engine, model, prompt).mean())
 
 
 def test_sampled_ids_and_logprobs_are_the_trainers_up_to_bf16_rounding(engine, policy, renderer):

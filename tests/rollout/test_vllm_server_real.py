@@ -27,6 +27,7 @@ from actloop.rollout.engine import SamplingParams  # noqa: E402
 from actloop.rollout.renderer import Renderer  # noqa: E402
 from actloop.rollout.vllm_engine import WORKER_EXTENSION, StaleServerError, VLLMServerEngine  # noqa: E402
 from actloop.types import Message  # noqa: E402
+from fixtures.logprob_gap import logprob_gaps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -152,8 +153,6 @@ def test_a_path_sync_of_tied_embeddings_reaches_the_servers_head_too(server, tmp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actloop.train.numerics.logprobs import token_logprobs
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         w = model.model.embed_tokens.weight
@@ -162,13 +161,8 @@ def test_a_path_sync_of_tied_embeddings_reaches_the_servers_head_too(server, tmp
     prompt = _probe(renderer)
     try:
         engine.sync_weights(model)
-        comps = engine.generate([prompt] * 4, SamplingParams(max_new_tokens=24, temperature=1.0))
-        seqs = [prompt + list(c.token_ids) for c in comps]
-        masks = [[0] * len(prompt) + [1] * len(c.token_ids) for c in comps]
-        with torch.no_grad():
-            out = token_logprobs(model, seqs, masks, temperature=1.0, precision="bf16")
-        gap = torch.cat([(torch.tensor(c.logprobs) - out.logp[i][out.mask[i]]).abs() for i, c in enumerate(comps)])
-        assert float(gap.mean()) < 0.1, float(gap.mean())
+        gap = float(logprob_gaps(engine, model, prompt).mean())
+        assert gap < 0.1, gap
     finally:
         engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
         engine._post("/collective_rpc", {"method": "repack_tied_weights"})

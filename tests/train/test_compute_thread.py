@@ -1,8 +1,12 @@
 """One thread computes (HFEngine.run): in a real run the update executes on the engine's decode
-thread with the run's torch threads, the loop's own thread holds one, and the run trains."""
+thread with the run's torch threads, the loop's own thread holds one, and the run trains. When
+train() returns, or raises, that thread and the model copies are gone."""
 
+import gc
 import json
 import threading
+
+import pytest
 
 import torch
 
@@ -11,14 +15,14 @@ from actloop.train import trainer
 from actloop.train.rl import loop
 
 
-def _run(tmp_path, monkeypatch, model_dir):
+def _run(tmp_path, monkeypatch, model_dir, steps=2):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say {i}."}]}) + "\n" for i in range(8)))
     # random rewards: every group has an advantage to train on, whatever the random model writes
     (tmp_path / "rew.py").write_text("import random\n\ndef varied(prompts, completions, **kw):\n"
                                      "    return [random.random() for _ in completions]\n")
     cfg = load_config(None, [f"model={model_dir}", f"data.path={rows}", f"reward.funcs=[{tmp_path}/rew.py:varied]",
-                             "train.steps=2", "train.prompts_per_step=1", "train.group_size=4",
+                             f"train.steps={steps}", "train.prompts_per_step=1", "train.group_size=4",
                              "rollout.max_new_tokens=4", "rollout.max_turns=1", "train.eval_before=false",
                              "train.eval_after=false", "train.save_final=false", "checkpoint.every=0",
                              "train.threads=2", "train.beta=0", f"output_dir={tmp_path}", "run_name=r",
@@ -53,3 +57,36 @@ def test_a_lock_step_engine_keeps_the_update_and_the_threads_here(tmp_path, monk
     seen, main_threads = _run(tmp_path, monkeypatch, tiny_gpt_oss_dir)
     assert seen == [("MainThread", 2, True)] * 2
     assert main_threads == [2, 2]
+
+
+def _decode_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "hf-engine-decode"]
+
+
+def _causal_lms() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.nn.Module) and type(o).__name__.endswith("ForCausalLM"))
+
+
+def test_a_finished_run_leaves_no_engine_thread_and_no_model_behind(tmp_path, monkeypatch, tiny_qwen3_dir):
+    """A process that trains again (a notebook, a sweep) kept every run's engine, its decode thread
+    and its model copies: the test suite's workers grew to 12 GB."""
+    models_before = _causal_lms()
+    seen, _ = _run(tmp_path, monkeypatch, tiny_qwen3_dir)
+    assert seen  # the run used the decode thread ...
+    assert _decode_threads() == [] and _causal_lms() == models_before  # ... and nothing of it is left
+
+
+def test_a_run_that_fails_closes_its_engine_too(tmp_path, monkeypatch, tiny_qwen3_dir):
+    real_step = loop.rl_step
+
+    def broken_step(*a, **k):
+        real_step(*a, **k)
+        assert _decode_threads() == ["hf-engine-decode"]  # the engine had started its thread
+        raise RuntimeError("a bug in step 1")
+
+    monkeypatch.setattr(loop, "rl_step", broken_step)
+    models_before = _causal_lms()
+    with pytest.raises(RuntimeError, match="a bug in step 1"):
+        _run(tmp_path, monkeypatch, tiny_qwen3_dir)
+    assert _decode_threads() == [] and _causal_lms() == models_before

@@ -182,11 +182,21 @@ def progress_bar(total: int, enabled: bool, label: str = "step",
                     disable=not enabled)
 
 
+_OPEN: list[Run] = []  # this process's runs whose engine is not closed yet (close_runs)
+
+
+def close_runs() -> None:
+    """Close every run of this process (`Run.close`): `train` does on its way out, also on an error."""
+    for run in list(_OPEN):
+        run.close()
+
+
 class Run:
     """One run's bookkeeping (the module docstring lists it). `task` is the task the run trains
     or evaluates on; the trainer sets `models`, `renderer` and `engine` once it has loaded them."""
 
     def __init__(self, cfg: Config, task: LoadedTask, print_fn=print, dist: Dist | None = None):
+        _OPEN.append(self)
         self.cfg, self.task, self.dist = cfg, task, dist if dist is not None else Dist()
         self.print = print_fn
         run_dir, ckpt = open_run(cfg, print_fn) if self.dist.is_main else (self.dist.scratch_dir(), None)
@@ -419,6 +429,16 @@ class Run:
         return None
 
     # ------------------------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """The engine goes with the run: its decode thread, its vLLM engine or Ray actors, and the
+        model copy they hold. Without it a process that trains again (a notebook, a sweep, the test
+        suite) kept every finished run's engine and model: five SmolLM2 copies after one test module."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
 
     def finish(self, optimizer: torch.optim.Optimizer | None,
                save_model: Callable[[Path], None] | None = None) -> RunResult:
