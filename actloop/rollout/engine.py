@@ -396,6 +396,7 @@ class HFEngine(EngineBase):
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "admitted": 0}
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -479,6 +480,10 @@ class HFEngine(EngineBase):
             raise RuntimeError("the engine's weight copy was released by sleep(): sync_weights(model) first")
 
     def close(self) -> None:
+        """Stop the decode thread (its running requests fail with "the engine was closed"); a
+        request or `run` after this is refused, not served by a new thread (a retry of a failed
+        request would otherwise start one that outlives the run, inside torch at exit)."""
+        self._closed = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
@@ -520,6 +525,8 @@ class HFEngine(EngineBase):
 
     def _ensure_thread(self) -> None:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine was closed")
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, args=(self.threads,), daemon=True,
                                                 name="hf-engine-decode")

@@ -546,7 +546,10 @@ class VLLMEngine(EngineBase):
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join(timeout=60)
-        if self._build is not None and self.llm is not None:  # an LLM this engine built: its memory goes too
+        # an LLM this engine built: its memory goes too. Not under torchrun (vLLM's external_launcher): the
+        # process groups are the launcher's, and vLLM's own shutdown at exit tears down its groups once
+        if (self._build is not None and self.llm is not None
+                and self._build.get("distributed_executor_backend") != "external_launcher"):
             self.llm = None
             import gc
 

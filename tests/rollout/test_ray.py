@@ -83,11 +83,21 @@ def test_ray_worker_logprobs_match_trainer_and_follow_sync(ray_session, fp32_mod
 
 
 @pytest.mark.slow
-def test_train_through_ray_same_loop(ray_session, tmp_path):
+def test_train_through_ray_same_loop(ray_session, tmp_path, monkeypatch):
     from actloop.train.trainer import train
 
     import actloop.rewards.code as code
+    from actloop.rollout.ray_engine import RayEngine
     from actloop.sandbox.ray_pool import RaySandbox
+
+    graders, original = [], RayEngine.run_episodes
+
+    def run_episodes(self, *a, **k):  # what the code graders run on, at each step
+        sandbox = code.default_sandbox()
+        graders.append(sandbox.run("print(1 + 1)").stdout if isinstance(sandbox, RaySandbox) else type(sandbox).__name__)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(RayEngine, "run_episodes", run_episodes)
 
     # 40 new tokens: the embedded model can finish a calculator tool call on the workers (12 never did)
     cfg = _cfg(tmp_path, "rollout.engine=ray", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4",
@@ -96,10 +106,10 @@ def test_train_through_ray_same_loop(ray_session, tmp_path):
                "train.entropy_coef=0.01")  # every trajectory trains, even when all of a group's rewards are equal
     try:
         res = train(cfg, progress=False, print_fn=lambda *a: None)
-        sandbox = code.default_sandbox()  # the code graders' sandbox is now the actors'
-        assert isinstance(sandbox, RaySandbox) and sandbox.run("print(1 + 1)").stdout == "2\n"
+        assert graders == ["2\n", "2\n"]  # during the run the code graders' sandbox was the actors' ...
+        assert not isinstance(code._DEFAULT_SANDBOX, RaySandbox)  # ... and the closed run handed it back
     finally:
-        code._DEFAULT_SANDBOX = None  # the actors die with the module's Ray session
+        code._DEFAULT_SANDBOX = None
     lines = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     for r in lines:

@@ -196,7 +196,6 @@ class Run:
     or evaluates on; the trainer sets `models`, `renderer` and `engine` once it has loaded them."""
 
     def __init__(self, cfg: Config, task: LoadedTask, print_fn=print, dist: Dist | None = None):
-        _OPEN.append(self)
         self.cfg, self.task, self.dist = cfg, task, dist if dist is not None else Dist()
         self.print = print_fn
         run_dir, ckpt = open_run(cfg, print_fn) if self.dist.is_main else (self.dist.scratch_dir(), None)
@@ -213,6 +212,7 @@ class Run:
         self.models: Models | None = None
         self.renderer: Any = None
         self.engine: Any = None
+        _OPEN.append(self)  # from here on it has an engine slot: close_runs closes what the trainer puts there
         self.sync_before_eval = False  # offline trainers: the engine gets the weights only to evaluate
         self.summary: dict[str, Any] = {"task": task.name, "model": cfg.model}
         # what the summary is computed from, kept across a resume
