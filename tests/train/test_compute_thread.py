@@ -59,8 +59,9 @@ def test_a_lock_step_engine_keeps_the_update_and_the_threads_here(tmp_path, monk
     assert main_threads == [2, 2]
 
 
-def _decode_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name == "hf-engine-decode"]
+def _decode_threads() -> set[threading.Thread]:
+    """HF decode threads alive now (other tests' engines in this worker may own some)."""
+    return {t for t in threading.enumerate() if t.name == "hf-engine-decode"}
 
 
 def _causal_lms() -> int:
@@ -71,22 +72,22 @@ def _causal_lms() -> int:
 def test_a_finished_run_leaves_no_engine_thread_and_no_model_behind(tmp_path, monkeypatch, tiny_qwen3_dir):
     """A process that trains again (a notebook, a sweep) kept every run's engine, its decode thread
     and its model copies: the test suite's workers grew to 12 GB."""
-    models_before = _causal_lms()
+    threads_before, models_before = _decode_threads(), _causal_lms()
     seen, _ = _run(tmp_path, monkeypatch, tiny_qwen3_dir)
     assert seen  # the run used the decode thread ...
-    assert _decode_threads() == [] and _causal_lms() == models_before  # ... and nothing of it is left
+    assert _decode_threads() == threads_before and _causal_lms() == models_before  # ... and nothing of it is left
 
 
 def test_a_run_that_fails_closes_its_engine_too(tmp_path, monkeypatch, tiny_qwen3_dir):
     real_step = loop.rl_step
+    threads_before, models_before = _decode_threads(), _causal_lms()
 
     def broken_step(*a, **k):
         real_step(*a, **k)
-        assert _decode_threads() == ["hf-engine-decode"]  # the engine had started its thread
+        assert len(_decode_threads() - threads_before) == 1  # the run's engine had started its thread
         raise RuntimeError("a bug in step 1")
 
     monkeypatch.setattr(loop, "rl_step", broken_step)
-    models_before = _causal_lms()
     with pytest.raises(RuntimeError, match="a bug in step 1"):
         _run(tmp_path, monkeypatch, tiny_qwen3_dir)
-    assert _decode_threads() == [] and _causal_lms() == models_before
+    assert _decode_threads() == threads_before and _causal_lms() == models_before
