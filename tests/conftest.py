@@ -1,5 +1,4 @@
 import contextlib
-import gc
 import os
 import sys
 from pathlib import Path
@@ -50,7 +49,7 @@ def _release_memory_after_each_module(request):
     """After each test module, the C heap's free pages go back to the OS (`release_freed_memory`).
     Without it a pytest worker's RSS grew over the session (12 and 6 GB for the two workers by
     the Ray tests near its end, when the kernel's OOM killer took the Ray test's vLLM actors).
-    ACTLOOP_TEST_RSS_LOG=FILE appends "module rss-before rss-after" (MB) per module."""
+    ACTLOOP_TEST_RSS_LOG=FILE appends "worker module rss-before rss-after" (MB) per module."""
     yield
     from actloop.train.runtime.memory import release_freed_memory
 
@@ -59,7 +58,8 @@ def _release_memory_after_each_module(request):
     release_freed_memory()
     if log:
         with open(log, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {request.module.__name__} {before} {_rss_mb()} frozen={gc.get_freeze_count()}\n")
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            f.write(f"{worker} {request.module.__name__} {before} {_rss_mb()}\n")
 
 
 def _rss_mb() -> int:

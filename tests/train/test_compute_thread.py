@@ -7,7 +7,6 @@ import json
 import threading
 
 import pytest
-
 import torch
 
 from actloop.config import load_config
@@ -15,14 +14,14 @@ from actloop.train import trainer
 from actloop.train.rl import loop
 
 
-def _run(tmp_path, monkeypatch, model_dir, steps=2):
+def _run(tmp_path, monkeypatch, model_dir):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say {i}."}]}) + "\n" for i in range(8)))
     # random rewards: every group has an advantage to train on, whatever the random model writes
     (tmp_path / "rew.py").write_text("import random\n\ndef varied(prompts, completions, **kw):\n"
                                      "    return [random.random() for _ in completions]\n")
     cfg = load_config(None, [f"model={model_dir}", f"data.path={rows}", f"reward.funcs=[{tmp_path}/rew.py:varied]",
-                             f"train.steps={steps}", "train.prompts_per_step=1", "train.group_size=4",
+                             "train.steps=2", "train.prompts_per_step=1", "train.group_size=4",
                              "rollout.max_new_tokens=4", "rollout.max_turns=1", "train.eval_before=false",
                              "train.eval_after=false", "train.save_final=false", "checkpoint.every=0",
                              "train.threads=2", "train.beta=0", f"output_dir={tmp_path}", "run_name=r",
