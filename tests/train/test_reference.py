@@ -112,3 +112,26 @@ def test_a_bf16_update_holds_the_reference_in_bf16_with_the_same_log_probs(tiny_
             assert next(b for n, b in models.reference.named_buffers() if "inv_freq" in n).dtype == torch.float32
             assert ref_call[4] == [p.data_ptr() for p in models.reference.parameters()]
     assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.skipif(not __import__("actloop.rollout.engine", fromlist=["use_bf16"]).use_bf16("bf16"),
+                    reason="bf16 weights need a CPU that computes bf16")
+def test_the_reference_only_pass_leaves_the_policys_weights_uncast(tiny_qwen3_dir, monkeypatch):
+    """On-policy GRPO with the KL term in the loss: the no-grad pass runs the reference alone, so the
+    policy's fp32 weights are not cast to bf16 for it (a whole-model cast of a pass that never reads
+    them); the update's own passes still run on bf16 copies."""
+    import actloop.train.numerics.mixed_precision as mp
+
+    cast_sets = []
+    real = mp.bf16_weights
+
+    def spy(*models, **kw):
+        cast_sets.append([m for m in models if m is not None])
+        return real(*models, **kw)
+
+    monkeypatch.setattr(mp, "bf16_weights", spy)
+    models, m, calls = run_update(tiny_qwen3_dir, "train.precision=bf16", bf16_reference=True, monkeypatch=monkeypatch)
+    assert [c[0] for c in calls if not c[1]] == [models.reference]
+    assert cast_sets[0] == [models.reference]  # the reference pass: the policy is not in it
+    assert cast_sets[1] == [models.policy]  # the update's forward and backward: bf16 copies of the policy
+    assert all(c[4] != [p.data_ptr() for p in models.policy.parameters()] for c in calls if c[1])  # they ran on copies

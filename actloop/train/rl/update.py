@@ -133,11 +133,13 @@ def _share_prefix(ctx: UpdateContext) -> bool:
     return ctx.dist is None or not ctx.dist.fsdp
 
 
-def _precision(ctx: UpdateContext, need_ref: bool = False):
+def _precision(ctx: UpdateContext, need_policy: bool = True, need_ref: bool = False):
     """The context of the update's passes (actloop.train.numerics.mixed_precision): bf16 weights of the
-    policy, and of a separate reference model when KL needs it, under train.bf16_mode=weights."""
+    policy when a pass runs it, and of the reference model when KL needs it (with LoRA the two are one
+    model), under train.bf16_mode=weights."""
     t = ctx.cfg.train
-    return update_precision(t.precision, t.bf16_mode, ctx.models.policy, ctx.models.reference_model() if need_ref else None,
+    return update_precision(t.precision, t.bf16_mode, ctx.models.policy if need_policy else None,
+                            ctx.models.reference_model() if need_ref else None,
                             sharded=ctx.dist is not None and ctx.dist.fsdp, buffers=ctx.lent_weights)
 
 
@@ -150,7 +152,9 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_ol
     of the policy's pass, "ref_s": seconds of the reference's}."""
     t = ctx.cfg.train
     secs = {"old_logp_s": 0.0, "ref_s": 0.0}
-    with torch.no_grad(), _precision(ctx, need_ref):
+    # on-policy GRPO with the KL term in the loss runs only the reference here: the policy's weights
+    # are not cast to bf16 for a pass that does not read them
+    with torch.no_grad(), _precision(ctx, need_policy=need_old, need_ref=need_ref):
         micros = _micro(ctx, batch, idx)
         pad = ctx.dist.missing(len(micros)) if ctx.dist is not None else 0  # FSDP: as many passes as every rank
         for _ in range(pad):
