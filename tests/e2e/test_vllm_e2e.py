@@ -25,7 +25,8 @@ def _cli(*args, env=None):
 
 def test_the_default_engine_is_vllm_and_a_grpo_run_trains_on_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ACTLOOP_AUTO_ENGINE"}  # the default, as a user has it
-    out = _cli("train", "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "rollout.max_new_tokens=32",
+    # 3 x 6 episodes: above the small steps (<= 16) that auto gives the HF engine on a CPU
+    out = _cli("train", "train.steps=2", "train.prompts_per_step=3", "train.group_size=6", "rollout.max_new_tokens=32",
                "train.eval_before=false", "train.eval_after=false", "train.save_final=false", "checkpoint.every=0",
                "checkpoint.at_end=false", f"output_dir={tmp_path}", "run_name=r", "train.entropy_coef=0.01",
                "--no-progress", env=env)

@@ -507,6 +507,13 @@ def test_auto_resolves_to_vllm_where_installed_else_hf_and_says_why(monkeypatch,
     kind, why = factory.resolve_engine(load_config(None, ["train.routing_replay=true"]))
     assert kind == "hf" and "routing_replay" in why
     assert factory.resolve_engine(load_config(None, ["rollout.engine=hf"])) == ("hf", "rollout.engine=hf")
+    # small synchronous steps without CUDA: hf (a whole GRPO step measured faster there); not with rollouts ahead
+    small = ["train.prompts_per_step=2", "train.group_size=8"]
+    kind, why = factory.resolve_engine(load_config(None, small))
+    assert (kind, "16 episodes a step" in why) == (("vllm", False) if torch.cuda.is_available() else ("hf", True))
+    assert factory.resolve_engine(load_config(None, [*small, "rollout.max_staleness=1"]))[0] == "vllm"
+    assert factory.resolve_engine(load_config(None, ["train.prompts_per_step=2", "train.group_size=9"]))[0] == "vllm"
+    assert factory.resolve_engine(load_config(None, [*small, "rollout.engine=vllm"]))[0] == "vllm"
     kind, why = factory.resolve_engine(load_config(None, ["lora.enabled=true"]))
     assert kind == ("vllm" if torch.cuda.is_available() else "hf") and ("LoRA" in why or kind == "vllm")
     assert factory.resolve_engine(load_config(None, ["lora.enabled=true", "rollout.engine=vllm"]))[0] == "vllm"
