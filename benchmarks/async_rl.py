@@ -1,9 +1,10 @@
 """Asynchronous RL: steps and samples per minute at rollout.max_staleness K = 0, 1, 2 on a tool task
 whose tool answers in 1-2 s, as a remote API would.
 
-    python benchmarks/async_rl.py [--ks 0,1,2] [--repeats 1] [--steps 7] [--turns 3] [--engine auto]
+    python benchmarks/async_rl.py [--ks 0,1,2] [--repeats 1] [--steps 7] [--turns 3] [--engine vllm]
 
-Each run is `actloop train` in a subprocess (a fresh engine: the default, vLLM's CPU build here) on
+Each run is `actloop train` in a subprocess (a fresh engine: vLLM, the engine of in-flight updates, at every K;
+`rollout.engine=auto` would take the HF engine for this step size at K = 0 on a CPU) on
 `TASK` below: every assistant turn "calls" a lookup tool that sleeps uniform(1, 2) s, for `--turns`
 turns, then the episode ends; the reward (distinct words / words of the last reply) differs
 within groups, so every step really updates. 4 prompts x 4 samples a step, 24 new tokens a turn.
@@ -93,7 +94,9 @@ def run(k: int, args, out_dir: Path) -> dict:
            "steps_per_min_mean": round(60 * len(steady) / sum(step_s), 2),
            "step_s_min": min(step_s), "step_s_max": max(step_s), "wall_s": round(time.time() - t0, 1),
            "load_1min_after": round(os.getloadavg()[0], 2),
-           "reward_mean_last": lines[-1]["reward_mean"]}
+           "reward_mean_last": lines[-1]["reward_mean"],
+           # the engine's log-probs against the trainer's (staleness and, with kv_after_update=keep, old KV)
+           "mismatch_kl_k1_mean": round(statistics.mean(r.get("mismatch_kl_k1", 0.0) for r in steady), 5)}
     if k > 0:
         rec.update(staleness_mean=round(sum(r["staleness_mean"] for r in steady) / len(steady), 2),
                    staleness_max=max(r["staleness_max"] for r in steady),
@@ -116,7 +119,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--engine", default="auto")
+    ap.add_argument("--engine", default="vllm")
     ap.add_argument("extra", nargs="*", help="more `key=value` overrides for every run")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
