@@ -67,11 +67,12 @@ demo: setup
 # every test, slow ones (model loading, training, torchrun, Ray) included; -rs lists each skip's reason.
 # --durations=25 lists the slowest, so a CI log shows what to trim before it passes 25 minutes.
 # Two pytest-xdist workers (one torch thread each, tests/conftest.py), a test file per worker at a
-# time so that module fixtures load once (timings: docs/performance.md).
+# time so that module fixtures load once, the longest files first (tests/conftest.py's LONG_FILES;
+# timings: docs/performance.md).
 # TEST_WORKERS=0 runs in one process; more workers need ~5 GB of RAM each.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -rs --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q -rs --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # the inner loop: everything not marked slow (a few minutes on 2 cores)
 test-fast: setup

@@ -94,10 +94,27 @@ def _harmony_unavailable() -> str | None:
     return None
 
 
+# The test files that take minutes (CI's --durations), longest first: `make test` hands files to its
+# two workers in collection order (--no-loadscope-reorder), so these start first and the suite does not
+# end on one worker running a long file while the other idles. test_ray_vllm and test_resume both hold
+# the many-processes lock (`_one_at_a_time`): they are not the first two, so neither waits on the other.
+LONG_FILES = ("rollout/test_ray_vllm.py", "e2e/test_vllm_e2e.py", "e2e/test_tiny_models_train.py",
+              "train/test_resume.py", "envs/test_task_envs.py", "rollout/test_ray.py", "train/test_fsdp.py",
+              "e2e/test_user_tasks.py", "rollout/test_vllm_gpt_oss.py", "e2e/test_train_cli.py",
+              "rollout/test_engine_faults.py", "train/test_dpo.py", "e2e/test_judge_train.py")
+
+
+def _long_first(item) -> int:
+    path = item.nodeid.split("::")[0].removeprefix("tests/")
+    return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that render Harmony (gpt-oss's chat format, through the openai_harmony library) skip
+    """The long files first (LONG_FILES; a stable sort: each file's tests keep their order). Tests that
+    render Harmony (gpt-oss's chat format, through the openai_harmony library) skip
     with the library's reason where it cannot load its vocabulary offline (openai-harmony 0.0.8's
     files over oss-harmony's: `make setup` puts oss-harmony's back)."""
+    items.sort(key=_long_first)
     uses = [i for i in items if "harmony" in i.nodeid.lower() or "gpt_oss_o200k" in i.nodeid
             or "tiny_gpt_oss_o200k_dir" in getattr(i, "fixturenames", ())
             or "renderers" in getattr(i, "fixturenames", ()) or ("e2e" in i.nodeid and "gpt_oss" in i.nodeid)]
