@@ -196,7 +196,9 @@ class RolloutConfig:
     kv_after_update: KVAfterUpdate = opt(
         "recompute", "vllm, rollout.max_staleness > 0: what an in-flight weight update does to the KV cache of the "
         "requests it finds running: `recompute` (vLLM preempts them and prefills prompt + tokens so far under the "
-        "new weights) or `keep` (they go on over the KV the old weights computed, as PipelineRL does).")
+        "new weights; the default: measured, `keep` nearly doubles the engine-vs-trainer gap for no speed-up told "
+        "apart from the noise, docs/async.md) or `keep` (they go on over the KV the old weights computed, as "
+        "PipelineRL does).")
     engine: EngineName = opt(
         "auto",
         "Generation engine: `auto` (vllm where vLLM is installed, else hf, and hf for LoRA or steps of at most 16 episodes (synchronous) without CUDA, GPT-OSS and routing replay on vLLM's CPU build; the run's first lines say which and why; "
