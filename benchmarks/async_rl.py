@@ -96,7 +96,7 @@ def run(k: int, args, out_dir: Path) -> dict:
            "load_1min_after": round(os.getloadavg()[0], 2),
            "reward_mean_last": lines[-1]["reward_mean"],
            # the engine's log-probs against the trainer's (staleness and, with kv_after_update=keep, old KV)
-           "mismatch_kl_k1_mean": round(statistics.mean(r.get("mismatch_kl_k1", 0.0) for r in steady), 5)}
+           "mismatch_kl_k1_mean": round(statistics.mean(r["mismatch_kl_k1"] for r in steady), 5)}
     if k > 0:
         rec.update(staleness_mean=round(sum(r["staleness_mean"] for r in steady) / len(steady), 2),
                    staleness_max=max(r["staleness_max"] for r in steady),

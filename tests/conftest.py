@@ -97,7 +97,8 @@ def _harmony_unavailable() -> str | None:
 # The test files that take minutes (CI's --durations), longest first: `make test` hands files to its
 # two workers in collection order (--no-loadscope-reorder), so these start first and the suite does not
 # end on one worker running a long file while the other idles. test_ray_vllm and test_resume both hold
-# the many-processes lock (`_one_at_a_time`): they are not the first two, so neither waits on the other.
+# the many-processes lock (`_one_at_a_time`): they are not handed out together at the start (first and
+# fourth), so neither waits on the other.
 LONG_FILES = ("rollout/test_ray_vllm.py", "e2e/test_vllm_e2e.py", "e2e/test_tiny_models_train.py",
               "train/test_resume.py", "envs/test_task_envs.py", "rollout/test_ray.py", "train/test_fsdp.py",
               "e2e/test_user_tasks.py", "rollout/test_vllm_gpt_oss.py", "e2e/test_train_cli.py",
