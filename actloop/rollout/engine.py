@@ -483,7 +483,8 @@ class HFEngine(EngineBase):
         """Stop the decode thread (its running requests fail with "the engine was closed"); a
         request or `run` after this is refused, not served by a new thread (a retry of a failed
         request would otherwise start one that outlives the run, inside torch at exit)."""
-        self._closed = True
+        with self._lock:  # a request put after this is refused (_ensure_thread): none waits behind the None
+            self._closed = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
@@ -518,12 +519,13 @@ class HFEngine(EngineBase):
                 raise ValueError("an empty prompt: nothing to continue")
         if threading.current_thread() is self._thread:
             raise RuntimeError("generate() from inside engine.run(fn): the decode thread would wait for itself")
-        self._ensure_thread()
         futures = [Future() for _ in reqs]
-        self._queue.put([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
+        self._ensure_thread([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
         return futures
 
-    def _ensure_thread(self) -> None:
+    def _ensure_thread(self, item: Any) -> None:
+        """Put item (requests, or a run(fn) call) in the decode thread's queue, starting the thread
+        if needed; under the lock that close() takes, so nothing is queued behind its stop."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine was closed")
@@ -534,6 +536,7 @@ class HFEngine(EngineBase):
                 # stop the decode thread before the interpreter finalizes: a daemon thread still inside
                 # torch at exit aborted `actloop eval` ("terminate called without an active exception")
                 atexit.register(self.close)
+            self._queue.put(item)
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) on the decode thread, once no row is decoding (autograd on, the model's
@@ -541,9 +544,8 @@ class HFEngine(EngineBase):
         engines (`continuous_batching` False) and calls from the decode thread run it in place."""
         if not self.continuous_batching or threading.current_thread() is self._thread:
             return fn(*args, **kwargs)
-        self._ensure_thread()
         fut: Future = Future()
-        self._queue.put(EngineCall(fn, args, kwargs, fut))
+        self._ensure_thread(EngineCall(fn, args, kwargs, fut))
         return fut.result()
 
     def _forward(self, ids, mask, pos, cache, kpos):
@@ -649,10 +651,12 @@ class HFEngine(EngineBase):
                 try:  # block only when nothing is decoding
                     item = self._queue.get(block=not batch.rows and not calls)
                     while True:
-                        if item is None:
-                            self._fail_all(batch, RuntimeError("the engine was closed"))
-                            for c in calls:
-                                c.future.set_exception(RuntimeError("the engine was closed"))
+                        if item is None:  # closed: every request and call taken so far hears of it
+                            closed = RuntimeError("the engine was closed")
+                            self._fail_all(batch, closed)
+                            for f in [*(r.future for r in waiting), *(c.future for c in calls)]:
+                                if not f.done():
+                                    f.set_exception(closed)
                             return
                         if isinstance(item, EngineCall):
                             calls.append(item)

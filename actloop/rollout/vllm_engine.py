@@ -357,6 +357,7 @@ class VLLMEngine(EngineBase):
         self._weights_lost = False  # weights freed by sleep (GPU level 2, CPU packed weights), until the next sync
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, tuple[Future, bool, list[tuple[int, int]]]] = {}  # the compute thread's
+        self._lock = threading.Lock()  # the inbox's puts against close()
         # what a weight sync does to the KV cache of requests it finds running (rollout.kv_after_update):
         # "recompute" (vLLM preempts them and recomputes their prompt + tokens so far under the new weights)
         # or "keep" (they continue on the KV the old weights computed: PipelineRL's choice)
@@ -429,8 +430,15 @@ class VLLMEngine(EngineBase):
             try:  # block only when nothing runs
                 item = self._inbox.get(block=not running and not calls)
                 while True:
-                    if item is None:
-                        self._fail(running, calls, RuntimeError("the engine was closed"))
+                    if item is None:  # closed: what runs, waits or was put back behind the None hears of it
+                        closed = RuntimeError("the engine was closed")
+                        self._fail(running, calls, closed)
+                        with contextlib.suppress(queue.Empty):
+                            while True:
+                                rest = self._inbox.get_nowait()
+                                fut = rest.future if isinstance(rest, EngineCall) else rest[2] if rest else None
+                                if fut is not None and not fut.done():
+                                    fut.set_exception(closed)
                         return
                     if isinstance(item, EngineCall):
                         calls.append(item)
@@ -510,10 +518,11 @@ class VLLMEngine(EngineBase):
             raise ValueError("an empty prompt: nothing to continue")
         if self._on_thread():
             raise RuntimeError("generate() from inside engine.run(fn): the compute thread would wait for itself")
-        if self._closed:
-            raise RuntimeError("the engine was closed")
         fut: Future = Future()
-        self._inbox.put((list(prompt), params, fut))
+        with self._lock:  # close() takes it: nothing is queued behind its stop
+            if self._closed:
+                raise RuntimeError("the engine was closed")
+            self._inbox.put((list(prompt), params, fut))
         return fut
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -533,15 +542,17 @@ class VLLMEngine(EngineBase):
     def _call(self, call: EngineCall) -> Any:
         if self._on_thread():
             return call.fn(*call.args, **call.kwargs)
-        if self._closed:
-            raise RuntimeError("the engine was closed")
-        self._inbox.put(call)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine was closed")
+            self._inbox.put(call)
         return call.future.result()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         atexit.unregister(self.close)
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(None)

@@ -329,3 +329,35 @@ def test_run_executes_on_the_decode_thread_between_batches():
         assert engine._thread is decode_thread
     finally:
         engine.close()
+
+
+def test_close_answers_every_request_submitted_around_it():
+    """Requests submitted from other threads while the engine closes: each gets its completion or
+    "the engine was closed", none is left waiting (an episode thread waiting forever held the
+    interpreter's exit, the asynchronous loop's shutdown)."""
+    for _ in range(5):
+        engine = HFEngine(_tiny(), None, eos_token_ids=(), precision="fp32", weights="copy")
+        futures, go = [], threading.Event()
+
+        def submit():
+            go.wait()
+            for _ in range(20):
+                try:
+                    futures.append(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=30, temperature=1.0)))
+                except RuntimeError as e:  # refused once closed
+                    assert "closed" in str(e)
+                    return
+
+        threads = [threading.Thread(target=submit) for _ in range(3)]
+        for t in threads:
+            t.start()
+        go.set()
+        time.sleep(0.01)
+        engine.close()
+        for t in threads:
+            t.join()
+        for f in futures:
+            try:
+                f.result(timeout=10)
+            except RuntimeError as e:
+                assert "closed" in str(e)

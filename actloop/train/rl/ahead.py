@@ -105,6 +105,7 @@ class AheadRollouts:
         self.cond = threading.Condition()
         self.next_gid = 0
         self.running: dict[int, AheadGroup] = {}
+        self.group_threads: list[threading.Thread] = []  # the running groups' (joined by close)
         self.finished: list[AheadGroup] = []
         self.redo: list[AheadGroup] = []  # rows of groups running at the checkpoint: sampled first
         self.trained = version * self.P  # groups trained so far (P a step; a resume starts at its step)
@@ -144,7 +145,9 @@ class AheadRollouts:
                     self.next_gid += 1
                 g.first_version = g.last_version = self.version
                 self.running[g.gid] = g
-            threading.Thread(target=self._group, args=(g,), daemon=True, name=f"ahead-group-{g.gid}").start()
+            t = threading.Thread(target=self._group, args=(g,), daemon=True, name=f"ahead-group-{g.gid}")
+            self.group_threads = [x for x in self.group_threads if x.is_alive()] + [t]
+            t.start()
 
     def _group(self, g: AheadGroup) -> None:
         try:
@@ -274,5 +277,11 @@ class AheadRollouts:
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join(timeout=10)
+        # the running groups end at their episodes' next engine request (refused now); the engine is still
+        # open for the one in flight. Waited for, so that none is inside torch when the interpreter exits
+        # (an abort: "terminate called without an active exception")
+        deadline = time.time() + 60
+        for t in list(self.group_threads):
+            t.join(timeout=max(0.0, deadline - time.time()))
         if self.ledger is not None:
             self.ledger.close()
