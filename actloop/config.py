@@ -199,6 +199,11 @@ class RolloutConfig:
         "new weights; the default: measured, `keep` nearly doubles the engine-vs-trainer gap for no speed-up told "
         "apart from the noise, docs/async.md) or `keep` (they go on over the KV the old weights computed, as "
         "PipelineRL does).")
+    decode_during_update: int = opt(
+        4, "vllm, rollout.max_staleness > 0: the update runs in micro-batches of at most this many trajectories, and "
+        "after each one the engine decodes its running requests (and the episodes back from their tools) under the "
+        "weights it has, for up to as long as the micro-batch took, so that a colocated engine keeps sampling "
+        "through the update instead of pausing for all of it (0 = it pauses; docs/async.md).")
     engine: EngineName = opt(
         "auto",
         "Generation engine: `auto` (vllm where vLLM is installed, else hf, and hf for LoRA or steps of at most 16 episodes (synchronous) without CUDA, GPT-OSS and routing replay on vLLM's CPU build; the run's first lines say which and why; "
@@ -888,6 +893,7 @@ def validate(cfg: Config) -> None:
         (0 <= cfg.rollout.engine_retry_backoff_s <= cfg.rollout.engine_retry_max_backoff_s,
          "rollout.engine_retry_backoff_s must be >= 0 and <= rollout.engine_retry_max_backoff_s"),
         (cfg.rollout.max_staleness >= 0, "rollout.max_staleness must be >= 0"),
+        (cfg.rollout.decode_during_update >= 0, "rollout.decode_during_update must be >= 0"),
         (cfg.rollout.max_staleness == 0 or cfg.algo not in ALGORITHMS or not ALGORITHMS[cfg.algo].stale_refusal,
          f"rollout.max_staleness > 0 is refused for algo={cfg.algo}: "
          f"{ALGORITHMS.get(cfg.algo, ALGORITHMS['grpo']).stale_refusal}"),

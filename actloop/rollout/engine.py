@@ -100,6 +100,8 @@ class Engine(Protocol):
 
     def run_in_flight(self, fn: Any, *args: Any) -> Any: ...
 
+    def decode_for(self, seconds: float) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -113,6 +115,7 @@ class EngineBase:
     runs_episodes: bool = False
     continuous_batching: bool = False
     own_thread: bool = False
+    decodes_in_flight: bool = False  # decode_for samples inside run_in_flight(fn) (VLLMEngine)
     context_length: int | None = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -152,6 +155,13 @@ class EngineBase:
         weight sync (rollout.max_staleness > 0). Here, and on HFEngine, `run`: fn waits for the
         running requests to finish their turn; VLLMEngine does not wait."""
         return self.run(fn, *args)
+
+    def decode_for(self, seconds: float) -> int:
+        """From inside run_in_flight(fn), on the compute thread: decode the running requests (and
+        those submitted meanwhile) for up to `seconds`, then return to fn; -> tokens decoded. The
+        asynchronous loop's update calls it between micro-batches (rollout.decode_during_update).
+        Here, and on HFEngine, whose run_in_flight drains first, nothing runs: 0."""
+        return 0
 
     def close(self) -> None:
         q = self.__dict__.get("_submit_queue")

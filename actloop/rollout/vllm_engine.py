@@ -60,6 +60,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
@@ -319,6 +320,7 @@ class VLLMEngine(EngineBase):
     weights = "copy"
     continuous_batching = True
     own_thread = True
+    decodes_in_flight = True
 
     @classmethod
     def from_config(cls, cfg: Any, renderer: Any, lora: bool, threads: int | None = None,
@@ -357,6 +359,7 @@ class VLLMEngine(EngineBase):
         self._weights_lost = False  # weights freed by sleep (GPU level 2, CPU packed weights), until the next sync
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, tuple[Future, bool, list[tuple[int, int]]]] = {}  # the compute thread's
+        self._calls: list[EngineCall] = []  # run / run_in_flight calls taken from the inbox, not yet run
         self._lock = threading.Lock()  # the inbox's puts against close()
         # what a weight sync does to the KV cache of requests it finds running (rollout.kv_after_update):
         # "recompute" (vLLM preempts them and recomputes their prompt + tokens so far under the new weights)
@@ -423,58 +426,98 @@ class VLLMEngine(EngineBase):
             ready.set_exception(e)
             return
         ready.set_result(None)
-        engine = self.llm.llm_engine
         running = self._running  # request id -> (future, greedy, [(first token index, version), ...])
-        calls: list[EngineCall] = []
         while True:
-            try:  # block only when nothing runs
-                item = self._inbox.get(block=not running and not calls)
-                while True:
-                    if item is None:  # closed: what runs, waits or was put back behind the None hears of it
-                        closed = RuntimeError("the engine was closed")
-                        self._fail(running, calls, closed)
-                        with contextlib.suppress(queue.Empty):
-                            while True:
-                                rest = self._inbox.get_nowait()
-                                fut = rest.future if isinstance(rest, EngineCall) else rest[2] if rest else None
-                                if fut is not None and not fut.done():
-                                    fut.set_exception(closed)
-                        return
-                    if isinstance(item, EngineCall):
-                        calls.append(item)
-                    elif all(c.in_flight for c in calls):  # requests wait while a run(fn) waits for the batch to drain
-                        self._add(engine, item, running)
-                    else:
-                        self._inbox.put(item)
-                        break
-                    item = self._inbox.get_nowait()
-            except queue.Empty:
-                pass
+            if not self._take_inbox(block=not running and not self._calls):
+                return
             if running:
-                try:
-                    outs = engine.step()
-                except Exception as e:  # every running request hears of it; the thread goes on
-                    with contextlib.suppress(Exception):
-                        engine.abort_request(list(running))
-                    self._fail(running, [], e)
-                    continue
-                for out in outs:
-                    if out.finished and out.request_id in running:
-                        fut, greedy, spans = running.pop(out.request_id)
-                        try:
-                            comp = completion_from_vllm(out.outputs[0], greedy, len(out.prompt_token_ids or ()))
-                            comp = replace(comp, versions=token_versions(spans, len(comp.token_ids)))
-                            self.generated_tokens += len(comp.token_ids)
-                            fut.set_result(comp)
-                        except Exception as e:
-                            fut.set_exception(e)
+                self._step()
+            calls = self._calls
             if calls and (not running or all(c.in_flight for c in calls)):
+                self._calls = []  # a call's fn may queue more (decode_for): they run in the next round
                 for c in calls:
                     try:
                         c.future.set_result(c.fn(*c.args, **c.kwargs))
                     except BaseException as e:  # the caller hears of it; the thread goes on
                         c.future.set_exception(e)
-                calls = []
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Move what was submitted into vLLM (requests) or self._calls (run / run_in_flight calls);
+        a request waits in the inbox while a run(fn) waits for the batch to drain. False: closed."""
+        engine, running, calls = self.llm.llm_engine, self._running, self._calls
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is None:  # closed: what runs, waits or was put back behind the None hears of it
+                    closed = RuntimeError("the engine was closed")
+                    self._fail(running, calls, closed)
+                    with contextlib.suppress(queue.Empty):
+                        while True:
+                            rest = self._inbox.get_nowait()
+                            fut = rest.future if isinstance(rest, EngineCall) else rest[2] if rest else None
+                            if fut is not None and not fut.done():
+                                fut.set_exception(closed)
+                    return False
+                if isinstance(item, EngineCall):
+                    calls.append(item)
+                elif all(c.in_flight for c in calls):
+                    self._add(engine, item, running)
+                else:
+                    self._inbox.put(item)
+                    break
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return True
+
+    def _step(self) -> int:
+        """One vLLM engine step over the running requests; a finished request answers its Future.
+        -> tokens of the requests that finished."""
+        engine, running = self.llm.llm_engine, self._running
+        try:
+            outs = engine.step()
+        except Exception as e:  # every running request hears of it; the thread goes on
+            with contextlib.suppress(Exception):
+                engine.abort_request(list(running))
+            self._fail(running, [], e)
+            return 0
+        done = 0
+        for out in outs:
+            if out.finished and out.request_id in running:
+                fut, greedy, spans = running.pop(out.request_id)
+                try:
+                    comp = completion_from_vllm(out.outputs[0], greedy, len(out.prompt_token_ids or ()))
+                    comp = replace(comp, versions=token_versions(spans, len(comp.token_ids)))
+                    self.generated_tokens += len(comp.token_ids)
+                    done += len(comp.token_ids)
+                    fut.set_result(comp)
+                except Exception as e:
+                    fut.set_exception(e)
+        return done
+
+    def decode_for(self, seconds: float) -> int:
+        """From inside run_in_flight(fn) (the update, between two micro-batches): decode steps over
+        the running requests and those submitted meanwhile (an episode back from its tool) for up to
+        `seconds`, under the weights the engine has; -> tokens of the requests that finished. The
+        caller's autocast and grad mode do not reach vLLM. A close seen here ends it; the compute
+        thread's loop then stops."""
+        import torch
+
+        if not self._on_thread():
+            raise RuntimeError("decode_for() runs inside engine.run_in_flight(fn), on the compute thread")
+        done, end = 0, time.perf_counter() + seconds
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            while time.perf_counter() < end and not self._closed:
+                if not self._take_inbox(block=False):
+                    self._inbox.put(None)  # the loop sees the close too
+                    break
+                if not self._running or not all(c.in_flight for c in self._calls):
+                    break
+                done += self._step()
+        return done
 
     def _add(self, engine: Any, req: tuple, running: dict) -> None:
         from vllm import SamplingParams as VSamplingParams

@@ -3,6 +3,7 @@ new weights between two decode steps while requests keep running, and every samp
 the policy version that produced it (`Completion.versions`). One eager engine, the embedded model."""
 
 import copy
+import threading
 import time
 
 import pytest
@@ -80,3 +81,40 @@ def test_weights_change_under_running_requests_and_tokens_carry_their_version(en
     out_new = eng.generate([prompt], greedy)[0].token_ids
     eng.sync_weights(policy)
     assert eng.generate([prompt], greedy)[0].token_ids != out_new
+
+
+def test_decode_for_samples_inside_an_in_flight_call(engine):
+    """The asynchronous update's break between micro-batches: inside run_in_flight(fn), decode_for
+    runs vLLM's steps for the running requests and for one submitted meanwhile (an episode back
+    from its tool), under the caller's autocast and grad mode, and returns to fn."""
+    eng, r = engine
+    prompt = r.prompt_ids([Message("user", "Name three colours.")])
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    first = [eng.submit(prompt, params) for _ in range(2)]
+    seen = {}
+
+    def update():  # what rl_update does on the compute thread, running ahead
+        seen["running"] = len(eng._running)
+        box = []  # submit refuses the compute thread: the request comes from another, as an episode's would
+        t = threading.Thread(target=lambda: box.append(eng.submit(prompt, params)))
+        t.start()
+        t.join()
+        x = torch.ones(4, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tokens = 0
+            for _ in range(200):  # micro-batches, each followed by the engine's turn
+                tokens += eng.decode_for(0.5)
+                if all(f.done() for f in [*first, *box]):
+                    break
+        seen.update(tokens=tokens, done=[f.done() for f in [*first, *box]], grad=(x * 2).sum().requires_grad,
+                    late=box[0])
+        return "updated"
+
+    assert eng.run_in_flight(update) == "updated"
+    assert seen["running"] >= 1  # requests were running when the update began
+    assert all(seen["done"]) and seen["tokens"] > 0  # they finished inside the update, the late one too
+    assert seen["grad"]  # the update's grad mode is its own again after decode_for
+    comp = seen["late"].result(timeout=60)
+    assert comp.token_ids and len(comp.logprobs) == len(comp.token_ids)
+    with pytest.raises(RuntimeError, match="run_in_flight"):
+        eng.decode_for(0.1)  # off the compute thread

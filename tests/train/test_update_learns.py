@@ -5,6 +5,8 @@ Tiny random Qwen3 (tests/fixtures/tiny_models.py), fp32, one prompt with two com
 rewards 1 and 0: every estimator gives the first a positive advantage and the second a negative
 one, so one step of the policy gradient must widen logp(high) - logp(low)."""
 
+import time
+
 import pytest
 import torch
 
@@ -193,3 +195,24 @@ def test_the_update_reads_the_algorithms_row_not_its_name(tiny_qwen3_dir, algo, 
     (delta_a, norm_a), (delta_b, norm_b) = steps
     assert max(float(d.abs().max()) for d in delta_a) > 1e-6  # the step changed the weights
     assert norm_a == norm_b and all(torch.equal(a, b) for a, b in zip(delta_a, delta_b)), algo
+
+
+def test_the_engine_gets_a_turn_after_every_micro_batch(tiny_qwen3_dir):
+    """Running ahead on vLLM (ctx.between_passes = engine.decode_for): the update runs in micro-batches
+    of at most rollout.decode_during_update trajectories, hands the engine the seconds each took, and
+    still learns; `decode_in_update_s` is the engine's time."""
+    cfg, models, scored = setup(tiny_qwen3_dir, "grpo", "rollout.decode_during_update=1")
+    opt = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=cfg.train.lr,
+                            weight_decay=0.0)
+    turns = []
+
+    def decode_for(seconds):
+        turns.append(seconds)
+        time.sleep(0.05)
+
+    ctx = UpdateContext(cfg, models, opt, None, 0.0, "none", between_passes=decode_for)
+    before = margin(models.policy, scored, cfg.rollout.temperature)
+    m = rl_update(ctx, scored, 2)
+    assert len(turns) == 2 and all(s > 0 for s in turns)  # one micro-batch per trajectory, a turn after each
+    assert m["decode_in_update_s"] >= 0.1
+    assert margin(models.policy, scored, cfg.rollout.temperature) > before + 0.05

@@ -101,6 +101,9 @@ def train_online(cfg: Config, progress: bool = True, print_fn=print) -> RunResul
     # rollout.max_staleness > 0: groups sampled ahead of training by a producer thread (None: synchronous)
     learner.ahead = (rollouts_ahead(cfg, task, learner.engine, learner.renderer, learner.sampler, learner.sampling,
                                     run.start - 1, run.run_dir) if cfg.rollout.max_staleness else None)
+    if learner.ahead is not None and getattr(learner.engine, "decodes_in_flight", False) and cfg.rollout.decode_during_update:
+        # sampling goes on between the update's micro-batches (vLLM; the HF engine's runs drain first)
+        learner.ctx.between_passes = learner.engine.decode_for
     # metrics.jsonl, samples, alarms, failures.jsonl; the producer's state rides in the checkpoint
     run.open_logs(online=True, stateful={"ahead": learner.ahead} if learner.ahead is not None else {})
     if run.ckpt is None:

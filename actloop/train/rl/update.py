@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -48,6 +48,9 @@ class UpdateContext:
     dist: Any = None  # actloop.train.runtime.distributed.Dist under torchrun (docs/distributed.md); None = one process
     lent_weights: dict[int, torch.Tensor] | None = None  # the engine's bf16 tensors for the update's casts (lend_weights)
     version: int = 0  # weight syncs before this update: the proximal policy's version (rollout.max_staleness)
+    # rollout.max_staleness > 0 on vLLM: the engine's turn between two micro-batches, given the seconds the
+    # last one took (Engine.decode_for, rollout.decode_during_update); None: the update runs without a break
+    between_passes: Callable[[float], Any] | None = None
 
 
 def _turn_ids(s: Scored) -> torch.Tensor:
@@ -119,11 +122,14 @@ def _routing(ctx: UpdateContext, part: RolloutBatch) -> dict[str, Any]:
 
 
 def _micro(ctx: UpdateContext, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
-    """Rows idx, shortest first, in micro-batches of train.micro_batch_size trajectories within the
+    """Rows idx, shortest first, in micro-batches of train.micro_batch_size trajectories (at most
+    rollout.decode_during_update when the engine gets a turn after each) within the
     train.max_tokens_per_microbatch budget."""
     idx = sorted(idx, key=lambda i: len(batch.seqs[i]))  # similar lengths share a micro-batch
     t = ctx.cfg.train
-    parts = token_budget_batches([len(batch.seqs[i]) for i in idx], t.micro_batch_size, t.max_tokens_per_microbatch)
+    size = t.micro_batch_size if ctx.between_passes is None else min(t.micro_batch_size,
+                                                                       ctx.cfg.rollout.decode_during_update)
+    parts = token_budget_batches([len(batch.seqs[i]) for i in idx], size, t.max_tokens_per_microbatch)
     return [[idx[j] for j in part] for part in parts]
 
 
@@ -149,9 +155,10 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_ol
     policy's (old log-probs, critic values with need_values) when need_old, the reference's
     (need_ref) on the same micro-batches. On-policy GRPO with the KL term in the loss needs only
     the reference's: its old log-probs are the update's own, detached. -> {"old_logp_s": seconds
-    of the policy's pass, "ref_s": seconds of the reference's}."""
+    of the policy's pass, "ref_s": seconds of the reference's, "decode_in_update_s": seconds the
+    engine decoded between them}."""
     t = ctx.cfg.train
-    secs = {"old_logp_s": 0.0, "ref_s": 0.0}
+    secs = {"old_logp_s": 0.0, "ref_s": 0.0, "decode_in_update_s": 0.0}
     # on-policy GRPO with the KL term in the loss runs only the reference here: the policy's weights
     # are not cast to bf16 for a pass that does not read them
     with torch.no_grad(), _precision(ctx, need_policy=need_old, need_ref=need_ref):
@@ -184,7 +191,18 @@ def _fixed_pass(ctx: UpdateContext, batch: RolloutBatch, idx: list[int], need_ol
                 batch.put("ref_logp", mb, r.logp[r.mask].float().cpu().split(r.mask.sum(-1).tolist()))
             secs["old_logp_s"] += t1 - t0
             secs["ref_s"] += time.perf_counter() - t1
+            secs["decode_in_update_s"] += _between(ctx, time.perf_counter() - t0)
     return secs
+
+
+def _between(ctx: UpdateContext, seconds: float) -> float:
+    """The engine's turn after a micro-batch that took `seconds` (ctx.between_passes, running ahead):
+    -> the seconds it took."""
+    if ctx.between_passes is None:
+        return 0.0
+    t0 = time.perf_counter()
+    ctx.between_passes(seconds)
+    return time.perf_counter() - t0
 
 
 def _versions(scored: list[Scored], mask: torch.Tensor) -> torch.Tensor:
@@ -332,7 +350,7 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
     need_values = est.needs_critic
     need_old = not on_policy or need_values or (need_ref and cfg.kl.mode == "reward")
     batch = RolloutBatch.from_scored(scored)  # [B, T], once per step (episodes, then extra segments)
-    fixed_s = {"old_logp_s": 0.0, "ref_s": 0.0}  # the per-phase seconds in the metrics
+    fixed_s = {"old_logp_s": 0.0, "ref_s": 0.0, "decode_in_update_s": 0.0}  # the per-phase seconds in the metrics
     if (need_old and not need_ref and not need_values and cfg.rollout.max_staleness > 0
             and t.proximal_logp == "loglinear"):  # the pass was for the proximal log-probs alone: approximated
         need_old, batch.versions = False, _versions(scored, batch.mask)
@@ -381,10 +399,12 @@ def rl_update(ctx: UpdateContext, scored: list[Scored], group_size: int) -> dict
             for _ in range(pad):
                 ctx.dist.dummy_pass(ctx, grad=True)
             for mb in micros:
+                t0 = time.perf_counter()
                 loss, m = micro_batch_loss(ctx, batch.rows(mb), token_weights_args=(num_seqs, num_tokens, max_tokens))
                 loss.backward()
                 for k, val in m.items():
                     acc.setdefault(k, []).append(val)
+                fixed_s["decode_in_update_s"] += _between(ctx, time.perf_counter() - t0)
         params = [p for g in ctx.optimizer.param_groups for p in g["params"]]
         clip = ctx.dist.clip_grad_norm_ if ctx.dist is not None else torch.nn.utils.clip_grad_norm_
         grad_norms.append(float(clip(params, t.max_grad_norm)))
