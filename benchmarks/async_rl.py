@@ -1,15 +1,20 @@
 """Asynchronous RL: steps and samples per minute at rollout.max_staleness K = 0, 1, 2 on a tool task
 whose tool answers in 1-2 s, as a remote API would.
 
-    python benchmarks/async_rl.py [--ks 0,1,2] [--repeats 1] [--steps 7] [--turns 3] [--engine vllm]
+    python benchmarks/async_rl.py [--ks 0,1,2] [--repeats 1] [--steps 8] [--turns 3] [--prompts 4]
+                                  [--max-new-tokens 128] [--engine vllm] [key=value ...]
 
 Each run is `actloop train` in a subprocess (a fresh engine: vLLM, the engine of in-flight updates, at every K;
 `rollout.engine=auto` would take the HF engine for this step size at K = 0 on a CPU) on
-`TASK` below: every assistant turn "calls" a lookup tool that sleeps uniform(1, 2) s, for `--turns`
-turns, then the episode ends; the reward (distinct words / words of the last reply) differs
-within groups, so every step really updates. 4 prompts x 4 samples a step, 24 new tokens a turn.
-Steps/min and samples/min come from the median `step_s` of the steps after the first (whose time
-includes the engine's warm-up): 60 / median; the mean (`steps_per_min_mean`) is printed too. K = 0 is the synchronous loop; K > 0 samples ahead. Runs
+`TASK` below: every assistant turn (one short sentence) "calls" a lookup tool that sleeps
+uniform(1, 2) s, for `--turns` turns, then the episode ends (earlier when a reply runs into
+max_new_tokens: `turns_per_episode` says how many turns were made); the reward (distinct words /
+words of the last reply) differs within groups, so every step really updates. `--prompts` x 4
+samples a step, `--max-new-tokens` a turn. Steps/min and samples/min come from the median
+`step_s` of the steps between the first (whose time includes the engine's warm-up) and the last
+(in which nothing more is sampled ahead): 60 / median; the mean (`steps_per_min_mean`) is printed too,
+and `turns_per_min` (samples/min x turns an episode), the measure to compare when the runs' episodes
+made different numbers of turns. K = 0 is the synchronous loop; K > 0 samples ahead. Runs
 alternate K (0, 1, 2, 0, 1, 2, ... with --repeats) and every run's numbers are printed as a JSON
 line, then the speed-up of each K over K = 0 (means over repeats; min-max in brackets).
 Hold `flock /tmp/actloop-bench.lock` while it runs on a shared machine.
@@ -48,13 +53,13 @@ class RemoteLookupEnv:
         self.n = 0
 
     def reset(self, row):
-        return [Message("user", f"Tell me one fact about {row['topic']}. You will get lookup results; "
-                                "add one new fact each time.")], []
+        return [Message("user", f"Tell me one fact about {row['topic']} in one short sentence. You will get "
+                                "lookup results; add one new fact each time, in one short sentence.")], []
 
     def step(self, message):
         self.n += 1
         time.sleep(random.uniform(1.0, 2.0))  # the remote API's latency
-        return StepResult([Message("tool", f"lookup result {self.n}: found. Add another fact.")], done=self.n >= TURNS)
+        return StepResult([Message("tool", f"lookup result {self.n}: found. Add another fact in one short sentence.")], done=self.n >= TURNS)
 
 
 def distinct_words(prompts, completions, **kwargs):
@@ -75,7 +80,7 @@ def run(k: int, args, out_dir: Path) -> dict:
     name = f"k{k}-{int(time.time() * 1000) % 10**8}"
     cmd = [sys.executable, "-m", "actloop", "train", f"data.task={Path(__file__).resolve()}:TASK",
            f"rollout.max_staleness={k}", f"rollout.engine={args.engine}", f"train.steps={args.steps}",
-           "train.prompts_per_step=4", "train.group_size=4", "rollout.max_new_tokens=24", f"rollout.max_turns={args.turns}",
+           f"train.prompts_per_step={args.prompts}", "train.group_size=4", f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.turns}",
            "rollout.temperature=1.0", "data.train_size=64", "data.eval_size=2", "train.eval_before=false",
            "train.eval_after=false", "train.save_final=false", "checkpoint.every=0", "checkpoint.at_end=false",
            f"output_dir={out_dir}", f"run_name={name}", "--no-progress", *args.extra]
@@ -85,7 +90,8 @@ def run(k: int, args, out_dir: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"K={k} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     lines = [json.loads(x) for x in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
-    steady = lines[1:]
+    # the first step's time includes the engine's warm-up; in the last, nothing more is sampled ahead
+    steady = lines[1:-1]
     step_s = [r["step_s"] for r in steady]
     samples = sum(r["trained_trajectories"] for r in steady)
     # the median step: a step slowed by another process on a shared machine does not move it
@@ -95,6 +101,8 @@ def run(k: int, args, out_dir: Path) -> dict:
            "step_s_min": min(step_s), "step_s_max": max(step_s), "wall_s": round(time.time() - t0, 1),
            "load_1min_after": round(os.getloadavg()[0], 2),
            "reward_mean_last": lines[-1]["reward_mean"],
+           # turns an episode (TURNS unless a reply ran into max_new_tokens, which ends the episode)
+           "turns_per_episode": round(statistics.mean(r["turns_per_episode"] for r in steady), 2),
            # the engine's log-probs against the trainer's (staleness and, with kv_after_update=keep, old KV)
            "mismatch_kl_k1_mean": round(statistics.mean(r["mismatch_kl_k1"] for r in steady), 5)}
     if k > 0:
@@ -110,6 +118,11 @@ def run(k: int, args, out_dir: Path) -> dict:
                 hist[e["staleness"]] = hist.get(e["staleness"], 0) + 1
         rec["staleness_histogram"] = dict(sorted(hist.items()))
     rec["update_s_mean"] = round(sum(r["update_s"] for r in steady) / len(steady), 2)
+    # of which the engine decoded between micro-batches (rollout.decode_during_update, K > 0)
+    rec["decode_in_update_s_mean"] = round(statistics.mean(r.get("decode_in_update_s", 0.0) for r in steady), 2)
+    rec["rollout_s_mean"] = round(statistics.mean(r["rollout_s"] for r in steady), 2)
+    # assistant turns (tool calls) a minute: what a step holds when episodes end early on a length cut
+    rec["turns_per_min"] = round(rec["samples_per_min"] * rec["turns_per_episode"], 1)
     return rec
 
 
@@ -117,8 +130,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ks", default="0,1,2")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=4, help="train.prompts_per_step (4 samples each)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--engine", default="vllm")
     ap.add_argument("extra", nargs="*", help="more `key=value` overrides for every run")
     args = ap.parse_args()
@@ -134,11 +149,13 @@ def main() -> None:
                 print(json.dumps(rec), flush=True)
     print(json.dumps({"load_after": [round(x, 2) for x in os.getloadavg()]}))
     base = sum(r["steps_per_min"] for r in results[ks[0]]) / len(results[ks[0]])
+    base_turns = sum(r["turns_per_min"] for r in results[ks[0]]) / len(results[ks[0]])
     for k in ks:
         spm = [r["steps_per_min"] for r in results[k]]
+        tpm = sum(r["turns_per_min"] for r in results[k]) / len(spm)
         print(f"K={k}: {sum(spm) / len(spm):.2f} steps/min [{min(spm):.2f}-{max(spm):.2f}], "
-              f"{sum(r['samples_per_min'] for r in results[k]) / len(spm):.1f} samples/min, "
-              f"x{sum(spm) / len(spm) / base:.2f} over K={ks[0]}")
+              f"{sum(r['samples_per_min'] for r in results[k]) / len(spm):.1f} samples/min, {tpm:.1f} turns/min, "
+              f"x{sum(spm) / len(spm) / base:.2f} over K={ks[0]} in steps, x{tpm / base_turns:.2f} in turns")
 
 
 if __name__ == "__main__":

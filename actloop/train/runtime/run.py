@@ -131,6 +131,7 @@ def step_metrics(step: int, scored: list[Scored], group_size: int) -> dict[str, 
         "response_tokens": sum(t.num_response_tokens for t in trajs),
         "tool_tokens": sum(t.num_env_tokens for t in trajs),
         "tool_calls_per_episode": mean(t.num_tool_calls for t in trajs),
+        "turns_per_episode": mean(len(t.turns) for t in trajs),  # assistant turns (environment steps)
         "malformed_call_rate": mean(t.num_malformed_calls > 0 for t in trajs),
         "truncated_rate": mean(t.truncated for t in trajs),
         "truncated_context": sum(t.truncated_context for t in trajs),
