@@ -157,7 +157,9 @@ def test_k1_on_vllm_samples_between_the_updates_micro_batches(tmp_path, model_di
     finish(proc)
     run = tmp_path / "vllm"
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["trained_trajectories"] for m in metrics] == [4] * 4
+    # every step trained (a group whose two rewards tie has no advantage: it trains nothing)
+    assert all(m["trained_trajectories"] > 0 and m["failed_rollouts"] == 0 for m in metrics), [
+        (m["trained_trajectories"], m["failed_rollouts"]) for m in metrics]
     assert max(m["staleness_max"] for m in metrics) == 1 and sum(m["stale_dropped_groups"] for m in metrics) == 0
     # the engine decoded inside the updates (the groups of the next step were running)
     assert sum(m["decode_in_update_s"] > 0 for m in metrics[1:]) >= 1, [m["decode_in_update_s"] for m in metrics]
