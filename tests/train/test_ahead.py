@@ -21,8 +21,10 @@ import torch
 from actloop.train.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
+# distinct characters (fewer than 100) / 1000 + i / 10: never two equal rewards in a call, so every
+# group has an advantage to train (/ 100 tied a group when two replies' counts differed by 10)
 REWARD = ("def varied(prompts, completions, **kwargs):\n"
-          "    return [len(set(c)) / 100 + i / 10 for i, c in enumerate(completions)]\n")
+          "    return [len(set(c)) / 1000 + i / 10 for i, c in enumerate(completions)]\n")
 
 # `python PAUSED args...`: `actloop args...` with step PAUSE_AT paused after it took its groups
 PAUSED = """
