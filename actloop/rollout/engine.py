@@ -493,7 +493,7 @@ class HFEngine(EngineBase):
         """Stop the decode thread (its running requests fail with "the engine was closed"); a
         request or `run` after this is refused, not served by a new thread (a retry of a failed
         request would otherwise start one that outlives the run, inside torch at exit)."""
-        with self._lock:  # a request put after this is refused (_ensure_thread): none waits behind the None
+        with self._lock:  # a request put after this is refused (_enqueue): none waits behind the None
             self._closed = True
         if self._thread is not None:
             self._queue.put(None)
@@ -530,10 +530,10 @@ class HFEngine(EngineBase):
         if threading.current_thread() is self._thread:
             raise RuntimeError("generate() from inside engine.run(fn): the decode thread would wait for itself")
         futures = [Future() for _ in reqs]
-        self._ensure_thread([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
+        self._enqueue([_Request(p, params, f) for (p, params), f in zip(reqs, futures)])
         return futures
 
-    def _ensure_thread(self, item: Any) -> None:
+    def _enqueue(self, item: Any) -> None:
         """Put item (requests, or a run(fn) call) in the decode thread's queue, starting the thread
         if needed; under the lock that close() takes, so nothing is queued behind its stop."""
         with self._lock:
@@ -555,7 +555,7 @@ class HFEngine(EngineBase):
         if not self.continuous_batching or threading.current_thread() is self._thread:
             return fn(*args, **kwargs)
         fut: Future = Future()
-        self._ensure_thread(EngineCall(fn, args, kwargs, fut))
+        self._enqueue(EngineCall(fn, args, kwargs, fut))
         return fut.result()
 
     def _forward(self, ids, mask, pos, cache, kpos):
