@@ -192,7 +192,9 @@ class RolloutConfig:
         "groups sampling while the trainer updates; the trainer takes the oldest finished groups; a group older "
         "than K updates when its turn comes is dropped and counted (`stale_dropped_groups`), never trained; "
         "weights reach the engine between decode steps (vllm: in flight, episodes continue across versions); "
-        "the loss is the decoupled PPO objective (docs/async.md). Needs the vllm or hf engine in one process.")
+        "vllm-server: between requests, the sync waiting for the requests in flight; episodes continue across "
+        "versions turn by turn); the loss is the decoupled PPO objective (docs/async.md). Needs the vllm or hf "
+        "engine in one process, or vllm-server with a weight sync.")
     kv_after_update: KVAfterUpdate = opt(
         "recompute", "vllm, rollout.max_staleness > 0: what an in-flight weight update does to the KV cache of the "
         "requests it finds running: `recompute` (vLLM preempts them and prefills prompt + tokens so far under the "
@@ -902,9 +904,13 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.max_staleness == 0 or cfg.correction.mode != "none",
          "rollout.max_staleness > 0 needs correction.mode other than none: the behaviour weight pi_prox / mu is "
          "what corrects tokens sampled by older weights (docs/async.md)"),
-        (cfg.rollout.max_staleness == 0 or cfg.rollout.engine in ("auto", "hf", "vllm"),
-         "rollout.max_staleness > 0 needs an engine in this process that tags each token with its policy version "
-         f"and takes weights between decode steps: rollout.engine vllm, hf or auto (got {cfg.rollout.engine})"),
+        (cfg.rollout.max_staleness == 0 or cfg.rollout.engine in ("auto", "hf", "vllm", "vllm-server"),
+         "rollout.max_staleness > 0 needs an engine that tags each token with its policy version and takes "
+         f"weights while episodes go on: rollout.engine vllm, vllm-server, hf or auto (got {cfg.rollout.engine}: "
+         "Ray's workers run whole episodes under one version of their own)"),
+        (cfg.rollout.max_staleness == 0 or cfg.rollout.engine != "vllm-server" or cfg.rollout.vllm_server_sync != "none",
+         "rollout.max_staleness > 0 with rollout.engine=vllm-server needs a weight sync (vllm_server_sync path, nccl, "
+         "lora or auto): with `none` the server never holds the versions its tokens would be counted under"),
         (cfg.agent.concurrency >= 1, "agent.concurrency must be >= 1"),
         (cfg.agent.timeout_s > 0, "agent.timeout_s must be > 0"),
         (cfg.agent.entry is None or ":" in cfg.agent.entry,

@@ -116,6 +116,9 @@ class EngineBase:
     continuous_batching: bool = False
     own_thread: bool = False
     decodes_in_flight: bool = False  # decode_for samples inside run_in_flight(fn) (VLLMEngine)
+    # samples in another process, which goes on while the trainer updates, every token tagged with the
+    # version that sampled it (VLLMServerEngine): rollout.max_staleness > 0 needs no compute thread here
+    samples_apart: bool = False
     context_length: int | None = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

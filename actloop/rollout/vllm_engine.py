@@ -918,6 +918,49 @@ class StaleServerError(RuntimeError):
 SERVER_SYNCS = ("path", "nccl", "lora", "none")
 
 
+class VersionGate:
+    """Requests against weight syncs on a server: any number of requests at once, or one sync,
+    never both. A sync waits for the requests in flight to return (they were sampled by the old
+    weights, all their tokens) and holds back new ones until the new weights are in; a waiting
+    sync goes first, so that a stream of requests cannot starve it. So every request's tokens come
+    from the one version it started under: the client knows each token's version without the
+    server telling it (the server cannot: its completions carry no weight version)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.requests = 0
+        self.syncs_waiting = 0
+        self.syncing = False
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        with self.cond:
+            while self.syncing or self.syncs_waiting:
+                self.cond.wait()
+            self.requests += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.requests -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def sync(self) -> Iterator[None]:
+        with self.cond:
+            self.syncs_waiting += 1
+            while self.syncing or self.requests:
+                self.cond.wait()
+            self.syncs_waiting -= 1
+            self.syncing = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.syncing = False
+                self.cond.notify_all()
+
+
 class VLLMServerEngine(EngineBase):
     """A separately started `vllm serve` (`rollout.engine=vllm-server`). Launch it with
     `--logprobs-mode processed_logprobs` (log-probs under the sampling temperature) and, for
@@ -936,9 +979,18 @@ class VLLMServerEngine(EngineBase):
     The server's version is checked before every generation: with full weights its
     GET /weight_info must answer the version string this engine set last (`<run token>-<N>`: a
     restarted server answers none, another run's server another token); with LoRA the adapter last
-    loaded must be among GET /v1/models. A mismatch raises `StaleServerError`, never samples."""
+    loaded must be among GET /v1/models. A mismatch raises `StaleServerError`, never samples.
+
+    Versions: a sync waits for the requests in flight and holds new ones back until the server
+    holds the new weights (`VersionGate`), so every completion's tokens carry the one version its
+    request started under, exactly. That lets the server sample ahead of training
+    (`rollout.max_staleness > 0`, `samples_apart`): the update runs in the trainer's process while
+    the server decodes the next groups; an episode's later turns may come from newer weights than
+    its first (partial rollouts, turn by turn: a turn never spans a sync, the colocated engine's
+    may)."""
 
     weights = "copy"
+    samples_apart = True
 
     def __init__(self, base_url: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  model: str | None = None, sync: str = "nccl", adapter_dir: str | Path | None = None,
@@ -962,6 +1014,7 @@ class VLLMServerEngine(EngineBase):
         self.model = self.base_model  # the LoRA adapter's name once one is loaded
         self.version = 0
         self.generated_tokens = 0
+        self.gate = VersionGate()  # requests or a sync, never both: each request's tokens have one version
         self.token = uuid.uuid4().hex[:8]  # this engine's versions: `<token>-<N>`
         # the version the server holds before any sync: its base weights, unless another run updated it
         self._start_version = self._server_version() if sync != "none" else None
@@ -1029,16 +1082,22 @@ class VLLMServerEngine(EngineBase):
 
     # -- engine
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        self.check_version()
-        body = completions_request(self.model, prompts, params, self.eos_token_ids, self.stop_strings)
-        comps = parse_completions(self._post("/v1/completions", body), len(prompts), params.greedy)
+        with self.gate.request():  # no sync until this request is answered: its tokens are `version`'s
+            version = self.version
+            self.check_version()
+            body = completions_request(self.model, prompts, params, self.eos_token_ids, self.stop_strings)
+            comps = parse_completions(self._post("/v1/completions", body), len(prompts), params.greedy)
         self.generated_tokens += sum(len(c.token_ids) for c in comps)
-        return comps
+        return [replace(c, versions=(version,) * len(c.token_ids)) for c in comps]
 
     def sync_weights(self, model: Any) -> None:
         if self.sync == "path":
             self.load_weights(full_weights(model))
             return
+        with self.gate.sync():
+            self._send_weights(model)
+
+    def _send_weights(self, model: Any) -> None:
         self.version += 1
         if self.sync == "lora":
             path = save_adapter(model, self.adapter_dir, self.version)
@@ -1074,9 +1133,15 @@ class VLLMServerEngine(EngineBase):
 
         if self.sync != "path":
             raise ValueError(f"load_weights needs sync='path' (this engine syncs by {self.sync})")
-        self.version += 1
-        path = save_full_weights(cast_weights(weights, getattr(torch, self.dtype)), self.weights_dir, self.version)
-        self._post("/pause", query={"mode": "wait"})  # requests in flight finish on the old weights
+        # written while requests go on (one sync at a time: the trainer's); then the gate holds them back
+        path = save_full_weights(cast_weights(weights, getattr(torch, self.dtype)), self.weights_dir,
+                                 self.version + 1)
+        with self.gate.sync():
+            self.version += 1
+            self._reload(path)
+
+    def _reload(self, path: Path) -> None:
+        self._post("/pause", query={"mode": "wait"})  # nothing is in flight (the gate), nothing starts
         try:
             self._post("/collective_rpc", {"method": "reload_weights",
                                            "kwargs": {"weights_path": str(path.resolve())}})

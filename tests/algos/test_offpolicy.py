@@ -82,9 +82,13 @@ def test_every_algorithm_supports_stale_data_or_refuses_it_with_the_reason(name)
 @pytest.mark.parametrize("override, msg", [
     ("correction.mode=none", "behaviour weight"),
     ("rollout.engine=ray", "tags each token with its policy version"),
-    ("rollout.engine=vllm-server", "tags each token with its policy version"),
+    ("rollout.engine=vllm-server rollout.vllm_server_sync=none", "needs a weight sync"),
 ])
 def test_stale_data_needs_the_behaviour_weight_and_a_versioned_engine(override, msg):
     with pytest.raises(ConfigError, match=msg):
-        load_config(None, ["rollout.max_staleness=1", override])
-    load_config(None, ["rollout.max_staleness=0", override])  # the synchronous loop takes them
+        load_config(None, ["rollout.max_staleness=1", *override.split()])
+    load_config(None, ["rollout.max_staleness=0", *override.split()])  # the synchronous loop takes them
+
+
+def test_a_vllm_server_with_a_weight_sync_samples_ahead():
+    assert load_config(None, ["rollout.max_staleness=1", "rollout.engine=vllm-server"]).rollout.max_staleness == 1

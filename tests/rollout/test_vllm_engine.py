@@ -6,6 +6,7 @@ tests/rollout/test_vllm_real.py."""
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -271,6 +272,9 @@ class _FakeServer:
         self.requests, self.missing, self.world_size = [], set(missing), world_size
         self.adapters, self.weight_version = [], "default"  # as vLLM: loaded LoRA names, GET /weight_info
         self.worker_methods = {"reload_weights", "repack_tied_weights"}  # with actloop's worker extension
+        self.hold = threading.Event()  # cleared: /v1/completions answers only once it is set again
+        self.hold.set()
+        self.arrived = threading.Semaphore(0)  # released as each /v1/completions arrives
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -301,6 +305,8 @@ class _FakeServer:
                 if self.path in fake.missing:
                     return self._reply(404, {"detail": "Not Found"})
                 if self.path == "/v1/completions":
+                    fake.arrived.release()
+                    fake.hold.wait(30)
                     return self._reply(200, fake.completions(body))
                 if self.path == "/v1/load_lora_adapter":
                     fake.adapters.append(body["lora_name"])
@@ -413,6 +419,35 @@ def test_server_path_sync_writes_safetensors_and_reloads_in_place_then_checks_th
     with pytest.raises(RuntimeError, match="--worker-extension-cls actloop.rollout.vllm_engine.WorkerExtension"):
         eng.sync_weights(model)
     assert server.requests[-1][1] == "/resume"  # the server is not left paused
+
+
+def test_a_server_sync_waits_for_the_requests_in_flight_and_holds_new_ones_so_each_has_one_version(server,
+                                                                                                     tmp_path):
+    """rollout.max_staleness > 0 on a server: the client knows each token's version because no
+    request is ever in flight across a sync (a request sampled from two versions, tagged with one,
+    would be trained with the wrong behaviour policy)."""
+    eng = VLLMServerEngine(server.url, (2,), sync="path", weights_dir=tmp_path)
+    assert eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].versions == (0, 0)
+    server.hold.clear()
+    out: dict[str, object] = {}
+    first = threading.Thread(target=lambda: out.update(first=eng.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))))
+    first.start()
+    assert server.arrived.acquire(timeout=10) and server.arrived.acquire(timeout=10)  # the two answered, this one held
+    sync = threading.Thread(target=lambda: eng.sync_weights(_Tiny()))
+    sync.start()
+    time.sleep(0.3)
+    assert "/pause?mode=wait" not in [p for _, p, _ in server.requests] and eng.version == 0  # the sync waits
+    second = threading.Thread(target=lambda: out.update(second=eng.generate([[6, 7]], SamplingParams(max_new_tokens=2))))
+    second.start()
+    time.sleep(0.3)
+    assert len(server.posts("/v1/completions")) == 2  # held back behind the waiting sync, not sent
+    server.hold.set()
+    for t in (first, sync, second):
+        t.join(10)
+    assert out["first"][0].versions == (0, 0, 0) and out["second"][0].versions == (1, 1)
+    paths = [p for m, p, _ in server.requests if m == "POST"]
+    assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # second: after the sync
+    assert server.weight_version == eng.version_string()
 
 
 def test_tied_tensors_are_written_once_under_the_first_name():

@@ -130,6 +130,13 @@ def _train_against(server, tmp_path, monkeypatch, renderer, name, extra):
     return engines[0], seen, lines
 
 
+def _restore_base(engine, model_dir):
+    """The server's base weights and version back, as the next test expects to find it."""
+    engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
+    engine._post("/collective_rpc", {"method": "repack_tied_weights"})
+    engine._post("/update_weight_version", {"new_version": "default"})
+
+
 def test_full_weights_without_nccl_change_the_servers_greedy_output_after_every_sync(server, tmp_path, monkeypatch,
                                                                                      renderer, model_dir):
     engine, seen, lines = _train_against(server, tmp_path, monkeypatch, renderer, "full",
@@ -141,10 +148,30 @@ def test_full_weights_without_nccl_change_the_servers_greedy_output_after_every_
     assert _get(server + "/weight_info")["weight_version"] == engine.version_string() == seen[-1][1]
     assert [p.name for p in (tmp_path / "vllm-weights").iterdir()] == ["v3"]  # only the newest kept
     print(json.dumps({"greedy": [list(o[:8]) for o in outputs], "sync_s": [r["sync_s"] for r in lines]}))
-    # the base weights back, for the LoRA test (its adapters apply to the server's base)
-    engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
-    engine._post("/collective_rpc", {"method": "repack_tied_weights"})
-    engine._post("/update_weight_version", {"new_version": "default"})
+    _restore_base(engine, model_dir)  # for the LoRA test (its adapters apply to the server's base)
+
+
+def test_k1_trains_groups_the_server_sampled_ahead_each_token_tagged_with_its_version(server, tmp_path, monkeypatch,
+                                                                                      renderer, model_dir):
+    """rollout.max_staleness=1 with the engine in its own process: the server samples the next
+    groups while this process updates; every sync waits for the requests in flight, so each
+    token's version is the one its request started under."""
+    engine, seen, lines = _train_against(server, tmp_path, monkeypatch, renderer, "ahead",
+                                         ["train.lr=1e-4", "rollout.max_staleness=1"])
+    try:
+        assert engine.sync == "path" and [v for v, _, _ in seen] == [0, 1, 2, 3]
+        events = [json.loads(x) for x in next(tmp_path.glob("ahead*/groups.jsonl")).read_text().splitlines()]
+        trained = [e for e in events if e["event"] == "trained"]
+        assert len(trained) == 6 and not [e for e in events if e["event"] == "dropped_stale"]
+        assert len({e["group_id"] for e in trained}) == 6  # each once
+        assert all(0 <= e["staleness"] <= 1 and e["first_version"] <= e["last_version"] <= e["step"] - 1
+                   for e in trained)
+        assert any(e["staleness"] == 1 for e in trained)  # sampled while the update before ran
+        assert max(r["staleness_max"] for r in lines) == 1
+        assert _get(server + "/weight_info")["weight_version"] == engine.version_string()
+        print(json.dumps({"staleness": [e["staleness"] for e in trained], "update_s": [r["update_s"] for r in lines]}))
+    finally:
+        _restore_base(engine, model_dir)
 
 
 def test_a_path_sync_of_tied_embeddings_reaches_the_servers_head_too(server, tmp_path, renderer, model_dir):
@@ -164,9 +191,7 @@ def test_a_path_sync_of_tied_embeddings_reaches_the_servers_head_too(server, tmp
         gap = float(logprob_gaps(engine, model, prompt).mean())
         assert gap < 0.1, gap
     finally:
-        engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
-        engine._post("/collective_rpc", {"method": "repack_tied_weights"})
-        engine._post("/update_weight_version", {"new_version": "default"})
+        _restore_base(engine, model_dir)
 
 
 def test_lora_adapters_at_run_time_change_the_servers_greedy_output(server, tmp_path, monkeypatch, renderer):

@@ -196,9 +196,9 @@ def build_learner(cfg: Config, run: Run, task: LoadedTask, dist: Dist) -> Learne
         torch.set_num_threads(compute_threads)
         one_compute_thread = False
     on_model_thread = engine.run if one_compute_thread else (lambda fn, *a: fn(*a))
-    if cfg.rollout.max_staleness and (dist.active or not one_compute_thread):
+    if cfg.rollout.max_staleness and (dist.active or not (one_compute_thread or engine.samples_apart)):
         raise ConfigError("rollout.max_staleness > 0 runs in one process, with an engine that computes on a thread "
-                          "of its own (vllm, or hf on a model it batches continuously)")
+                          "of its own (vllm, or hf on a model it batches continuously) or a vllm-server")
     if ckpt is not None and not dist.active:
         engine.sync_weights(models.policy)  # engines that load their own weights get the checkpoint's
         engine.version = ckpt.step  # the policy version its tokens carry: updates so far
