@@ -18,6 +18,12 @@ made different numbers of turns. K = 0 is the synchronous loop; K > 0 samples ah
 alternate K (0, 1, 2, 0, 1, 2, ... with --repeats) and every run's numbers are printed as a JSON
 line, then the speed-up of each K over K = 0 (means over repeats; min-max in brackets).
 Hold `flock /tmp/actloop-bench.lock` while it runs on a shared machine.
+
+`--engine vllm-server` starts one `vllm serve` (vLLM's API server, as docs/engines.md starts it)
+for all the runs, on the cores `--server-cpus` names (its OpenMP threads bound there), and each
+run's trainer on `--trainer-cpus` with that many torch threads: the engine in a process of its
+own, which decodes while the trainer updates. `--baseline-engine vllm` adds a K = 0 run on that
+(colocated) engine first, the baseline of the speed-ups.
 """
 
 from __future__ import annotations
@@ -76,10 +82,51 @@ TASK = Task(name="remote_lookup", env=RemoteLookupEnv, rewards=[distinct_words],
             description="benchmark: a tool that answers in 1-2 s")
 
 
-def run(k: int, args, out_dir: Path) -> dict:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cpus: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` of the default model on `cpus`, ready for path syncs (docs/engines.md)."""
+    import urllib.request
+
+    from actloop.config import Config
+    from actloop.models import resolve_model
+    from actloop.rollout.vllm_engine import WORKER_EXTENSION
+
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": cpus}
+    cmd = ["taskset", "-c", cpus, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", resolve_model(Config().model), "--port", str(port), "--dtype", "bfloat16",
+           "--max-model-len", "4096", "--logprobs-mode", "processed_logprobs", "--worker-extension-cls",
+           WORKER_EXTENSION]
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 900
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            raise SystemExit(f"vllm serve did not start:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+            return proc, url
+        except OSError:
+            time.sleep(2)
+
+
+def run(k: int, args, out_dir: Path, engine: str) -> dict:
     name = f"k{k}-{int(time.time() * 1000) % 10**8}"
-    cmd = [sys.executable, "-m", "actloop", "train", f"data.task={Path(__file__).resolve()}:TASK",
-           f"rollout.max_staleness={k}", f"rollout.engine={args.engine}", f"train.steps={args.steps}",
+    server = []
+    if engine == "vllm-server":
+        server = [f"rollout.vllm_server_url={args.server_url}", f"rollout.vllm_weights_dir={out_dir / 'weights'}",
+                  f"train.threads={len(args.trainer_cpus.split(','))}"]
+    cmd = [*(["taskset", "-c", args.trainer_cpus] if server else []),
+           sys.executable, "-m", "actloop", "train", f"data.task={Path(__file__).resolve()}:TASK",
+           f"rollout.max_staleness={k}", f"rollout.engine={engine}", f"train.steps={args.steps}", *server,
            f"train.prompts_per_step={args.prompts}", "train.group_size=4", f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.turns}",
            "rollout.temperature=1.0", "data.train_size=64", "data.eval_size=2", "train.eval_before=false",
            "train.eval_after=false", "train.save_final=false", "checkpoint.every=0", "checkpoint.at_end=false",
@@ -96,7 +143,7 @@ def run(k: int, args, out_dir: Path) -> dict:
     samples = sum(r["trained_trajectories"] for r in steady)
     # the median step: a step slowed by another process on a shared machine does not move it
     med = statistics.median(step_s)
-    rec = {"K": k, "steps_per_min": round(60 / med, 2), "samples_per_min": round(60 / med * samples / len(steady), 1),
+    rec = {"K": k, "engine": engine, "steps_per_min": round(60 / med, 2), "samples_per_min": round(60 / med * samples / len(steady), 1),
            "steps_per_min_mean": round(60 * len(steady) / sum(step_s), 2),
            "step_s_min": min(step_s), "step_s_max": max(step_s), "wall_s": round(time.time() - t0, 1),
            "load_1min_after": round(os.getloadavg()[0], 2),
@@ -134,28 +181,42 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4, help="train.prompts_per_step (4 samples each)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--engine", default="vllm")
+    ap.add_argument("--engine", default="vllm", help="vllm (colocated) or vllm-server (started here)")
+    ap.add_argument("--baseline-engine", default="", help="a K = 0 run on this engine first, the baseline")
+    ap.add_argument("--server-cpus", default="1", help="vllm-server: the server's cores (taskset list)")
+    ap.add_argument("--trainer-cpus", default="0", help="vllm-server: the trainer's cores (its torch threads)")
     ap.add_argument("extra", nargs="*", help="more `key=value` overrides for every run")
     args = ap.parse_args()
-    ks = [int(k) for k in args.ks.split(",")]
+    runs = [(0, args.baseline_engine)] if args.baseline_engine else []
+    runs += [(int(k), args.engine) for k in args.ks.split(",")]
     load = os.getloadavg()
     print(json.dumps({"load_before": [round(x, 2) for x in load]}), flush=True)
-    results: dict[int, list[dict]] = {k: [] for k in ks}
+    results: dict[tuple[int, str], list[dict]] = {r: [] for r in runs}
     with tempfile.TemporaryDirectory(prefix="async-rl-") as tmp:
-        for _ in range(args.repeats):
-            for k in ks:
-                rec = run(k, args, Path(tmp))
-                results[k].append(rec)
-                print(json.dumps(rec), flush=True)
+        proc = None
+        if args.engine == "vllm-server":
+            proc, args.server_url = start_server(args.server_cpus, Path(tmp) / "server.log")
+        try:
+            for _ in range(args.repeats):
+                for k, engine in runs:
+                    rec = run(k, args, Path(tmp), engine)
+                    results[(k, engine)].append(rec)
+                    print(json.dumps(rec), flush=True)
+        finally:
+            if proc is not None:
+                os.killpg(proc.pid, 15)
+                proc.wait(60)
     print(json.dumps({"load_after": [round(x, 2) for x in os.getloadavg()]}))
-    base = sum(r["steps_per_min"] for r in results[ks[0]]) / len(results[ks[0]])
-    base_turns = sum(r["turns_per_min"] for r in results[ks[0]]) / len(results[ks[0]])
-    for k in ks:
-        spm = [r["steps_per_min"] for r in results[k]]
-        tpm = sum(r["turns_per_min"] for r in results[k]) / len(spm)
-        print(f"K={k}: {sum(spm) / len(spm):.2f} steps/min [{min(spm):.2f}-{max(spm):.2f}], "
-              f"{sum(r['samples_per_min'] for r in results[k]) / len(spm):.1f} samples/min, {tpm:.1f} turns/min, "
-              f"x{sum(spm) / len(spm) / base:.2f} over K={ks[0]} in steps, x{tpm / base_turns:.2f} in turns")
+    first = results[runs[0]]
+    base = sum(r["steps_per_min"] for r in first) / len(first)
+    base_turns = sum(r["turns_per_min"] for r in first) / len(first)
+    for (k, engine), recs in results.items():
+        spm = [r["steps_per_min"] for r in recs]
+        tpm = sum(r["turns_per_min"] for r in recs) / len(spm)
+        print(f"K={k} ({engine}): {sum(spm) / len(spm):.2f} steps/min [{min(spm):.2f}-{max(spm):.2f}], "
+              f"{sum(r['samples_per_min'] for r in recs) / len(spm):.1f} samples/min, {tpm:.1f} turns/min, "
+              f"x{sum(spm) / len(spm) / base:.2f} over K={runs[0][0]} ({runs[0][1]}) in steps, "
+              f"x{tpm / base_turns:.2f} in turns")
 
 
 if __name__ == "__main__":
