@@ -96,13 +96,13 @@ def start_server(cpus: str, log: Path) -> tuple[subprocess.Popen, str]:
 
     from actloop.config import Config
     from actloop.models import resolve_model
-    from actloop.rollout.vllm_engine import WORKER_EXTENSION
+    from actloop.rollout.vllm_engine import WORKER_EXTENSION, vllm_dtype
 
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_USE_AOT_COMPILE": "0",
            "VLLM_CPU_OMP_THREADS_BIND": cpus}
     cmd = ["taskset", "-c", cpus, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", resolve_model(Config().model), "--port", str(port), "--dtype", "bfloat16",
+           "--model", resolve_model(Config().model), "--port", str(port), "--dtype", vllm_dtype(Config().train.precision),
            "--max-model-len", "4096", "--logprobs-mode", "processed_logprobs", "--worker-extension-cls",
            WORKER_EXTENSION]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from actloop.models import resolve_model
-from actloop.rollout.engine import Completion, EngineBase, SamplingParams, EngineCall
+from actloop.rollout.engine import Completion, EngineBase, SamplingParams, EngineCall, use_bf16
 
 # --- pure translation ------------------------------------------------------------------------
 
@@ -238,8 +238,11 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
 
 
 def vllm_dtype(precision: str) -> str:
-    """The dtype vLLM samples in for `train.precision`: fp32 stays fp32, anything else is bf16."""
-    return "float32" if precision == "fp32" else "bfloat16"
+    """The dtype vLLM samples in for `train.precision`: bf16 where the trainer computes in bf16
+    (`bf16`, or `auto` on hardware with native bf16), else fp32. An AVX2-only CPU (AMD Zen 2/3,
+    most laptops) emulates bf16: vLLM's CPU build decoded 3.5x slower in bf16 than in fp32 on one
+    (docs/performance.md), and the trainer's `auto` is fp32 there too."""
+    return "bfloat16" if use_bf16(precision) else "float32"
 
 
 # --- colocated -----------------------------------------------------------------------------

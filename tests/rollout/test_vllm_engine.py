@@ -30,6 +30,7 @@ from actloop.rollout.vllm_engine import (
     rendezvous_address,
     repack_tied_weights,
     save_adapter,
+    vllm_dtype,
     vllm_max_lora_rank,
     vllm_sampling_kwargs,
     vllm_weight_name,
@@ -131,6 +132,15 @@ class _Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(2, 3)
+
+
+def test_vllm_samples_in_bf16_only_where_the_trainer_computes_in_bf16(monkeypatch):
+    import actloop.rollout.engine as engine_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for fast, auto in ((True, "bfloat16"), (False, "float32")):  # AVX-512 BF16 / AMX, or an AVX2-only CPU
+        monkeypatch.setattr(engine_mod, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert (vllm_dtype("auto"), vllm_dtype("bf16"), vllm_dtype("fp32")) == (auto, "bfloat16", "float32")
 
 
 def test_weight_names_and_casting():
