@@ -122,7 +122,7 @@ def run(k: int, args, out_dir: Path, engine: str) -> dict:
     name = f"k{k}-{int(time.time() * 1000) % 10**8}"
     server = []
     if engine == "vllm-server":
-        server = [f"rollout.vllm_server_url={args.server_url}", f"rollout.vllm_weights_dir={out_dir / 'weights'}",
+        server = [f"rollout.vllm_server_url={args.server_url}", f"rollout.vllm_weights_dir={out_dir / name / 'weights'}",
                   f"train.threads={len(args.trainer_cpus.split(','))}"]
     cmd = [*(["taskset", "-c", args.trainer_cpus] if server else []),
            sys.executable, "-m", "actloop", "train", f"data.task={Path(__file__).resolve()}:TASK",

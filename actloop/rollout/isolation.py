@@ -89,6 +89,15 @@ class IsolatedEngine:
         self.failed_prompts += len(prompts)
         return [Completion((), (), "stop", error=describe(error)) for _ in prompts]
 
+    def submit(self, prompt: list[int], params: SamplingParams) -> Any:
+        """One request for the continuous schedule. An engine that answers each with a `generate` of
+        its own (`submit_call`: the vLLM server) gets this class's retries and per-prompt failures;
+        one with a decode batch of its own (HF, colocated vLLM) takes it as it is."""
+        call = getattr(self.inner, "submit_call", None)
+        if call is None:
+            return self.inner.submit(prompt, params)
+        return call(lambda: self.generate([prompt], params)[0])
+
     def stats(self) -> dict[str, int]:
         return {"failed_requests": self.failed_requests, "retried_requests": self.retried_requests,
                 "failed_prompts": self.failed_prompts}

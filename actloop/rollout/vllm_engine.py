@@ -218,12 +218,16 @@ def save_full_weights(weights: Iterable[tuple[str, Any]], root: str | Path, vers
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # a reader never sees half a file
-    _keep_newest(root, keep)
+    _keep_newest(root, keep, out)
     return out
 
 
-def _keep_newest(root: Path, keep: int) -> None:
-    for old in sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))[:-keep]:
+def _keep_newest(root: Path, keep: int, just_written: Path | None = None) -> None:
+    """Delete all but `just_written` and the newest others, `keep` in all (a folder an earlier run
+    left with higher numbers never pushes out the one the server is about to read)."""
+    others = sorted((p for p in root.glob("v*") if p.name[1:].isdigit() and p != just_written),
+                    key=lambda p: int(p.name[1:]))
+    for old in others[: max(len(others) - (keep - (just_written is not None)), 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -233,7 +237,7 @@ def save_adapter(model: Any, root: str | Path, version: int, keep: int = 2) -> P
     root = Path(root)
     out = root / f"v{version}"
     model.save_pretrained(out)
-    _keep_newest(root, keep)
+    _keep_newest(root, keep, out)
     return out
 
 
@@ -994,6 +998,9 @@ class VLLMServerEngine(EngineBase):
 
     weights = "copy"
     samples_apart = True
+    # each submitted request is a /v1/completions call of its own, on a thread: the server batches the
+    # live ones continuously, so an episode's slow tool holds up only that episode (the continuous schedule)
+    continuous_batching = True
 
     def __init__(self, base_url: str, eos_token_ids: Iterable[int], stop_strings: Iterable[str] = (), *,
                  model: str | None = None, sync: str = "nccl", adapter_dir: str | Path | None = None,
@@ -1018,6 +1025,7 @@ class VLLMServerEngine(EngineBase):
         self.version = 0
         self.generated_tokens = 0
         self.gate = VersionGate()  # requests or a sync, never both: each request's tokens have one version
+        self._pool: Any = None  # submit's request threads, made at the first submit
         self.token = uuid.uuid4().hex[:8]  # this engine's versions: `<token>-<N>`
         # the version the server holds before any sync: its base weights, unless another run updated it
         self._start_version = self._server_version() if sync != "none" else None
@@ -1092,6 +1100,22 @@ class VLLMServerEngine(EngineBase):
             comps = parse_completions(self._post("/v1/completions", body), len(prompts), params.greedy)
         self.generated_tokens += sum(len(c.token_ids) for c in comps)
         return [replace(c, versions=(version,) * len(c.token_ids)) for c in comps]
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        return self.submit_call(lambda: self.generate([prompt], params)[0])
+
+    def submit_call(self, fn: Callable[[], Completion]) -> Future:
+        """fn() on a thread of the request pool: one request in flight per episode waiting for a turn
+        (IsolatedEngine passes its retrying `generate` here)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vllm-server-request")
+        return self._pool.submit(fn)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def sync_weights(self, model: Any) -> None:
         if self.sync == "path":

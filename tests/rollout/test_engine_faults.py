@@ -176,7 +176,10 @@ def _rollout(engine, tokenizer, steps=10, per_step=4):
     rubric = Rubric([RewardTerm("one", lambda prompts, completions, **kw: [1.0] * len(completions))])
     scored, failures = [], []
     for step in range(1, steps + 1):
-        trajs = run_episodes(engine, renderer, OneTurn, [{"id": f"{step}-{i}"} for i in range(per_step)], P, 1)
+        # lockstep: a step's turns go out as one batched request, the unit the stand-in fails (a server's
+        # default, the continuous schedule, sends a request per episode: test_vllm_engine.py retries those)
+        trajs = run_episodes(engine, renderer, OneTurn, [{"id": f"{step}-{i}"} for i in range(per_step)], P, 1,
+                             schedule="lockstep")
         s = rubric.score(trajs)
         scored += s
         failures += classify(step, s)
@@ -262,7 +265,8 @@ def test_training_against_a_flaky_vllm_server_completes_and_reports(stand_in, tm
                              "train.save_final=false", "checkpoint.every=0", "checkpoint.at_end=false",
                              "train.threads=1", "train.beta=0", "rollout.engine=vllm-server",
                              f"rollout.vllm_server_url={stand_in.url}", "rollout.vllm_server_sync=none",
-                             "rollout.engine_retries=0", f"output_dir={tmp_path}", "run_name=flaky",
+                             "rollout.engine_retries=0", "rollout.schedule=lockstep", f"output_dir={tmp_path}",
+                             "run_name=flaky",
                              "monitor.sample_every=0"])
     res = train(cfg, progress=False, print_fn=lambda *_: None)
     lines = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -30,6 +30,7 @@ from actloop.rollout.vllm_engine import (
     rendezvous_address,
     repack_tied_weights,
     save_adapter,
+    save_full_weights,
     vllm_dtype,
     vllm_max_lora_rank,
     vllm_sampling_kwargs,
@@ -285,6 +286,7 @@ class _FakeServer:
         self.hold = threading.Event()  # cleared: /v1/completions answers only once it is set again
         self.hold.set()
         self.arrived = threading.Semaphore(0)  # released as each /v1/completions arrives
+        self.fail = 0  # the next this many /v1/completions answer 503
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -317,6 +319,9 @@ class _FakeServer:
                 if self.path == "/v1/completions":
                     fake.arrived.release()
                     fake.hold.wait(30)
+                    if fake.fail:
+                        fake.fail -= 1
+                        return self._reply(503, {"error": "overloaded"})
                     return self._reply(200, fake.completions(body))
                 if self.path == "/v1/load_lora_adapter":
                     fake.adapters.append(body["lora_name"])
@@ -458,6 +463,33 @@ def test_a_server_sync_waits_for_the_requests_in_flight_and_holds_new_ones_so_ea
     paths = [p for m, p, _ in server.requests if m == "POST"]
     assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # second: after the sync
     assert server.weight_version == eng.version_string()
+
+
+def test_server_requests_are_in_flight_together_each_retried_on_its_own(server):
+    """The continuous schedule on a server: every episode's turn is a request of its own, sent as
+    it comes (the server batches the live ones), with IsolatedEngine's retries per request."""
+    from actloop.rollout.isolation import IsolatedEngine
+
+    eng = IsolatedEngine(VLLMServerEngine(server.url, (2,), sync="none"), retries=2, sleep=lambda s: None)
+    assert eng.continuous_batching
+    server.hold.clear()
+    futures = [eng.submit([1, 2, i], SamplingParams(max_new_tokens=3)) for i in range(3)]
+    assert all(server.arrived.acquire(timeout=10) for _ in range(3))  # all three in flight at once
+    server.fail = 1
+    server.hold.set()
+    outs = [f.result(timeout=10) for f in futures]
+    assert [o.token_ids for o in outs] == [(i, 2, 1) for i in range(3)] and all(o.error is None for o in outs)
+    assert eng.retried_requests == 1 and len(server.posts("/v1/completions")) == 4  # the 503 one, sent again
+    server.fail = 3  # a request that fails every try: a recorded failure, not an exception
+    assert "503" in eng.submit([5], SamplingParams(max_new_tokens=1)).result(timeout=10).error
+    eng.close()
+
+
+def test_a_new_run_in_a_weights_folder_an_older_run_left_keeps_what_it_just_wrote(tmp_path):
+    for v in (4, 5):
+        save_full_weights([("w", torch.ones(2))], tmp_path, v)  # an earlier run's versions (only v5 kept)
+    out = save_full_weights([("w", torch.zeros(2))], tmp_path, 1)  # this run's first sync
+    assert out.exists() and [p.name for p in tmp_path.iterdir()] == ["v1"]  # the server reads v1 next
 
 
 def test_tied_tensors_are_written_once_under_the_first_name():
