@@ -179,7 +179,8 @@ class RolloutConfig:
         "tool lines + how to call (docs/models.md).")
     schedule: Schedule = opt(
         "auto",
-        "How episodes meet the engine: `auto` (continuous when the engine batches continuously: hf), `continuous` "
+        "How episodes meet the engine: `auto` (continuous when the engine batches continuously: hf, vllm, "
+        "vllm-server; lockstep for ray and an HF model decoded in lock-step), `continuous` "
         "(each episode sends its next turn the moment its tool "
         "returns; the engine batches whatever is live, so a slow tool stalls only its own episode) or `lockstep` "
         "(every episode's turn in one batch, the next turn after every tool returned: bit-reproducible under the "

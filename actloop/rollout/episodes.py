@@ -187,7 +187,8 @@ def run_episodes(
         whatever requests are live, so a slow tool holds up only its own episode.
     lockstep: every active episode's turn goes to the engine as one batch, and the next turn
         starts when every tool of this one has returned (the baseline in benchmarks/).
-    auto: continuous when the engine batches continuously (HFEngine), else lockstep.
+    auto: continuous when the engine batches continuously (HFEngine, VLLMEngine, VLLMServerEngine),
+        else lockstep.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got `{schedule}`")
