@@ -65,7 +65,8 @@ class Engine(Protocol):
     generated_tokens  sampled tokens over the engine's life (throughput metrics)
     runs_episodes     True when `run_episodes` runs whole episodes itself (Ray's workers)
     continuous_batching  True when `submit`ted requests join a live decode batch at token
-                      boundaries (HFEngine, VLLMEngine); the default `submit` batches what is waiting
+                      boundaries (HFEngine, VLLMEngine; VLLMServerEngine sends each as a request of
+                      its own to a server that does); the default `submit` batches what is waiting
     own_thread        True when the engine computes on a thread of its own in this process and
                       `run(fn)` executes fn there (the trainer's update then goes through `run`,
                       so that one OpenMP pool computes); False: `run` calls fn in place
