@@ -347,9 +347,11 @@ class VLLMEngine(EngineBase):
                  threads: int | None = None, kv_cache_gb: float = 0.5, gpu_memory_utilization: float = 0.3,
                  sleep: bool = True, max_model_len: int = 4096, prefix_caching: bool = True,
                  enforce_eager: bool = False, lora_rank: int | None = None, adapter_dir: str | Path | None = None,
-                 dtype: str = "bfloat16", seed: int = 0, routing: bool = False, kv_after_update: str = "recompute",
+                 dtype: str | None = None, seed: int = 0, routing: bool = False, kv_after_update: str = "recompute",
                  llm: Any = None, **llm_kwargs: Any):
         import torch
+
+        dtype = dtype or vllm_dtype("auto")  # bf16 where the hardware computes it natively
 
         self.eos_token_ids = tuple(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
