@@ -63,7 +63,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -1027,7 +1027,8 @@ class VLLMServerEngine(EngineBase):
         self.version = 0
         self.generated_tokens = 0
         self.gate = VersionGate()  # requests or a sync, never both: each request's tokens have one version
-        self._pool: Any = None  # submit's request threads, made at the first submit
+        # submit's request threads (started as requests come): one in flight per episode waiting for a turn
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vllm-server-request")
         self.token = uuid.uuid4().hex[:8]  # this engine's versions: `<token>-<N>`
         # the version the server holds before any sync: its base weights, unless another run updated it
         self._start_version = self._server_version() if sync != "none" else None
@@ -1100,24 +1101,19 @@ class VLLMServerEngine(EngineBase):
             self.check_version()
             body = completions_request(self.model, prompts, params, self.eos_token_ids, self.stop_strings)
             comps = parse_completions(self._post("/v1/completions", body), len(prompts), params.greedy)
-        self.generated_tokens += sum(len(c.token_ids) for c in comps)
+        with self.gate.cond:  # requests answer on several threads at once
+            self.generated_tokens += sum(len(c.token_ids) for c in comps)
         return [replace(c, versions=(version,) * len(c.token_ids)) for c in comps]
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Future:
         return self.submit_call(lambda: self.generate([prompt], params)[0])
 
     def submit_call(self, fn: Callable[[], Completion]) -> Future:
-        """fn() on a thread of the request pool: one request in flight per episode waiting for a turn
-        (IsolatedEngine passes its retrying `generate` here)."""
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vllm-server-request")
+        """fn() on a thread of the request pool (IsolatedEngine passes its retrying `generate` here)."""
         return self._pool.submit(fn)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def sync_weights(self, model: Any) -> None:
         if self.sync == "path":
