@@ -222,12 +222,12 @@ def save_full_weights(weights: Iterable[tuple[str, Any]], root: str | Path, vers
     return out
 
 
-def _keep_newest(root: Path, keep: int, just_written: Path | None = None) -> None:
-    """Delete all but `just_written` and the newest others, `keep` in all (a folder an earlier run
-    left with higher numbers never pushes out the one the server is about to read)."""
+def _keep_newest(root: Path, keep: int, just_written: Path) -> None:
+    """Delete all but `just_written` and the newest `keep - 1` others (a folder an earlier run left
+    with higher numbers never pushes out the one the server is about to read)."""
     others = sorted((p for p in root.glob("v*") if p.name[1:].isdigit() and p != just_written),
                     key=lambda p: int(p.name[1:]))
-    for old in others[: max(len(others) - (keep - (just_written is not None)), 0)]:
+    for old in others[: max(len(others) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
