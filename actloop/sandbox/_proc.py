@@ -124,11 +124,18 @@ def collect(
     started: float,
     kill: Callable[[], None],
     after_exit: Callable[[], None] | None = None,
+    start_marker: bytes | None = None,
+    start_timeout_s: float = 0.0,
 ) -> Collected:
     """Drive one run to completion: feed stdin, capture capped output, enforce the deadline.
 
     `kill` must take down the whole sandbox (not just the direct child); `after_exit` runs
     once the direct child has exited, to sweep up anything it left behind.
+
+    `start_marker`: the sandbox writes it to stderr when the program starts (Docker: after the
+    container's start, 0.3-1 s and several seconds on a loaded box). The program's timeout and
+    its `duration_s` then count from the marker, so a slow container start does not eat the
+    program's time; until the marker, the start itself has `start_timeout_s`.
     """
     out, err = CappedBuffer(limits.max_output_bytes), CappedBuffer(limits.max_output_bytes)
     sel = selectors.DefaultSelector()
@@ -154,7 +161,8 @@ def collect(
     except (AttributeError, OSError):  # kernels before 5.3: poll instead
         pidfd = -1
 
-    deadline = started + limits.timeout_s
+    program_started: float | None = started if start_marker is None else None
+    deadline = started + (limits.timeout_s if start_marker is None else start_timeout_s)
     hard_stop: float | None = None
     exited = timed_out = False
     try:
@@ -193,6 +201,10 @@ def collect(
                         continue
                     if data:
                         tag.feed(data)
+                        if program_started is None and start_marker is not None and tag is err \
+                                and start_marker in err.head:
+                            program_started = time.monotonic()
+                            deadline = program_started + limits.timeout_s
                     else:
                         sel.unregister(key.fd)
                         streams -= 1
@@ -219,7 +231,7 @@ def collect(
         stderr=err,
         exit_code=normalize_returncode(rc),
         timed_out=timed_out,
-        duration_s=time.monotonic() - started,
+        duration_s=time.monotonic() - (started if program_started is None else program_started),
         lingering=streams > 0,
     )
 

@@ -118,7 +118,8 @@ class ExecResult:
         timed_out: the wall-clock watchdog fired or the CPU-time limit was hit.
         oom: the program ran out of memory (MemoryError / allocation failure in stderr, or
             a cgroup OOM kill under Docker). A heuristic, documented as such.
-        duration_s: wall-clock seconds from spawn to collection, sandbox start-up included.
+        duration_s: wall-clock seconds from spawn to collection, the sandbox's start-up included
+            (Docker: from the program's start; the container's start is not counted).
         tier: which sandbox tier ran it ("bwrap", "rlimit" or "docker").
         truncated: stdout or stderr was cut.
         error: set when the *sandbox* failed (could not start), never for program errors.

@@ -72,6 +72,12 @@ STARTED = b"\x00actloop-sandbox-started\x00"
 """Written to stderr by `_BOOT` right before the program starts; never shown to callers."""
 # One docker call that is not part of a run (info, image inspect, rm): never waits longer.
 CALL_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 10.0
+
+
+def start_timeout(limits: Limits) -> float:
+    """How long a container may take to start before the program's own timeout begins."""
+    return max(START_TIMEOUT_S, limits.timeout_s)
 STALE_GRACE_S = 60.0
 
 # Reads "<n>\n" + n bytes of JSON {"files": [[path, b64]], "init": src, "env": {...}} from fd 0 without
@@ -406,18 +412,20 @@ class DockerSandbox(AsyncMixin):
         limits, fs, data = prepare_run(code, argv, files, stdin, limits, self.limits)
         name = f"actloop-sbx-{uuid.uuid4().hex[:16]}"
         started = time.monotonic()
-        cmd = self.command(name, limits, deadline=round(time.time() + limits.timeout_s, 1))
+        start_s = start_timeout(limits)
+        cmd = self.command(name, limits, deadline=round(time.time() + start_s + limits.timeout_s, 1))
         try:
             proc = _proc.spawn(cmd, env=_client_env(), stdin_pipe=True, new_session=True)
         except SandboxError as e:
             return self._failed(str(e), started)
         c = _proc.collect(proc, stdin_data=self._header(argv, code, fs, limits) + (data or b""),
-                          limits=limits, started=started, kill=self._killer(name, proc))
+                          limits=limits, started=started, kill=self._killer(name, proc),
+                          start_marker=STARTED, start_timeout_s=start_s)
         preamble = _strip_started(c.stderr)
         if preamble is None:  # the program never started: the sandbox failed
             said = c.stderr.text("stderr")
             if c.timed_out:
-                what = f"the container did not start within the {limits.timeout_s:g} s timeout"
+                what = f"the container did not start within {start_s:g} s"
             else:
                 what = f"docker run failed (exit {c.exit_code}): {_last_line(said, 'no message')}"
                 if "No such image" in said or "Unable to find image" in said:
@@ -443,7 +451,7 @@ class DockerSandbox(AsyncMixin):
         try:
             proc.stdin.write(self._header(argv, None, check_files(files), limits))
             proc.stdin.flush()
-            said = _read_until_started(proc, timeout=max(30.0, limits.timeout_s))
+            said = _read_until_started(proc, timeout=start_timeout(limits))
         except BaseException:
             kill()
             proc.wait()

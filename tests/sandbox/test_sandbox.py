@@ -17,6 +17,7 @@ import warnings
 import pytest
 from typer.testing import CliRunner
 
+import actloop.sandbox.docker as docker_mod
 import actloop.sandbox.factory as factory
 import actloop.sandbox.rlimit as rlimit_mod
 from actloop.sandbox import (
@@ -33,6 +34,7 @@ from actloop.sandbox import (
     TierStatus,
     get_sandbox,
 )
+from actloop.sandbox import _proc
 from actloop.sandbox._proc import CappedBuffer, python_init
 from actloop.sandbox.cli import app
 from actloop.sandbox.docker import docker_available
@@ -75,6 +77,31 @@ def test_capped_buffer_keeps_head_and_tail() -> None:
     text = b.text("stdout")
     assert text.startswith("01234") and text.endswith("bcdef")
     assert "[actloop: stdout truncated, 6 bytes omitted]" in text
+
+
+def _collect_after_a_slow_start(start_s: float, run_s: float, limits: Limits,
+                                start_timeout_s: float) -> object:
+    """A process that starts slowly (as a container on a loaded box), marks its start on stderr,
+    then runs `run_s`: what `collect` makes of it with a start marker."""
+    code = (f"import os,time\ntime.sleep({start_s})\nos.write(2, b'<started>')\n"
+            f"time.sleep({run_s})\nprint('done', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return _proc.collect(proc, stdin_data=None, limits=limits, started=time.monotonic(),
+                         kill=proc.kill, start_marker=b"<started>", start_timeout_s=start_timeout_s)
+
+
+def test_the_programs_timeout_counts_from_its_start_marker_not_from_a_slow_start() -> None:
+    # 1.5 s of start + 0.3 s of program under a 1 s timeout: the program is within its time
+    c = _collect_after_a_slow_start(1.5, 0.3, Limits(timeout_s=1.0), start_timeout_s=30)
+    assert not c.timed_out and c.exit_code == 0 and c.stdout.text("stdout") == "done\n"  # type: ignore[attr-defined]
+    assert 0.25 < c.duration_s < 1.0, c.duration_s  # type: ignore[attr-defined]  # the program's own time
+    # the same program over its time is still stopped, a timeout from its start
+    c = _collect_after_a_slow_start(0.5, 5.0, Limits(timeout_s=1.0), start_timeout_s=30)
+    assert c.timed_out and 0.9 < c.duration_s < 3.0, c.duration_s  # type: ignore[attr-defined]
+    # a start that never ends is bounded by the start timeout, the marker never seen
+    c = _collect_after_a_slow_start(10.0, 0.1, Limits(timeout_s=5.0), start_timeout_s=1.0)
+    assert c.timed_out and b"<started>" not in c.stderr.head  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------ runs
@@ -479,7 +506,9 @@ def test_docker_failures_are_results_not_tracebacks(docker_client, monkeypatch, 
     with pytest.raises(SandboxError, match="cannot reach a daemon"):
         docker_available.cache_clear()
         DockerSandbox()
-    # 2. a daemon that accepts the connection and never answers: back by the deadline, error set
+    # 2. a daemon that accepts the connection and never answers: back by the start's bound
+    # (max(START_TIMEOUT_S, timeout): the program's timeout counts from its start), error set
+    monkeypatch.setattr(docker_mod, "START_TIMEOUT_S", 1.0)
     path = tmp_path / "mute.sock"
     mute = socket.socket(socket.AF_UNIX)
     mute.bind(str(path))
@@ -730,7 +759,6 @@ def test_bwrap_unreachable_interpreter_is_named(tmp_path_factory) -> None:  # ty
     import tempfile
     from pathlib import Path
 
-    from actloop.sandbox import _proc
 
     outer = Path(tempfile.mkdtemp(prefix="actloop-interp-"))  # pytest's own tmp root is 0700
     outer.chmod(0o755)
