@@ -26,7 +26,8 @@ import torch.distributed
 from actloop.config import Config, ConfigError, EngineName, choices
 from actloop.rollout.engine import HFEngine
 from actloop.rollout.isolation import IsolatedEngine
-from actloop.rollout.vllm_engine import VLLMEngine, VLLMServerEngine, vllm_dtype, vllm_routing_support  # vLLM: when built
+from actloop.rollout.vllm_engine import VLLMEngine, vllm_dtype, vllm_routing_support  # vLLM: when built
+from actloop.rollout.vllm_server import VLLMServerEngine
 
 ENGINES = choices(EngineName)  # rollout.engine's values
 TORCHRUN_ENGINES = ("auto", "hf", "vllm")  # what each rank may sample with under torchrun

@@ -194,7 +194,7 @@ def stand_in(tokenizer):
 
 
 def test_vllm_server_failing_one_request_in_five_loses_nothing_with_retries(stand_in, tokenizer):
-    from actloop.rollout.vllm_engine import VLLMServerEngine
+    from actloop.rollout.vllm_server import VLLMServerEngine
 
     waits = []
     eng = IsolatedEngine(VLLMServerEngine(stand_in.url, (tokenizer.eos_token_id,), sync="none"), retries=2,
@@ -210,7 +210,7 @@ def test_vllm_server_failing_one_request_in_five_loses_nothing_with_retries(stan
 
 def test_vllm_server_failures_without_retries_are_recorded_per_trajectory_and_masked(stand_in, tokenizer, tmp_path):
     from actloop.config import FailuresConfig
-    from actloop.rollout.vllm_engine import VLLMServerEngine
+    from actloop.rollout.vllm_server import VLLMServerEngine
     from actloop.train.runtime.failures import FailureGuard, FailureLog, failure_metrics
 
     eng = IsolatedEngine(VLLMServerEngine(stand_in.url, (tokenizer.eos_token_id,), sync="none"), retries=0)
@@ -235,7 +235,7 @@ def test_vllm_server_failures_without_retries_are_recorded_per_trajectory_and_ma
 def test_refused_connection_is_recorded_not_raised(tokenizer):
     import socket
 
-    from actloop.rollout.vllm_engine import VLLMServerEngine
+    from actloop.rollout.vllm_server import VLLMServerEngine
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

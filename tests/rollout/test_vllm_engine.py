@@ -17,17 +17,12 @@ from actloop.config import ConfigError, load_config
 from actloop.rollout.engine import SamplingParams
 from actloop.rollout.factory import make_engine
 from actloop.rollout.vllm_engine import (
-    StaleServerError,
     VLLMEngine,
-    VLLMServerEngine,
     cast_weights,
     completion_from_vllm,
-    completions_request,
     finish_reason,
     full_weights,
     load_into_worker,
-    parse_completions,
-    rendezvous_address,
     repack_tied_weights,
     save_adapter,
     save_full_weights,
@@ -35,6 +30,13 @@ from actloop.rollout.vllm_engine import (
     vllm_max_lora_rank,
     vllm_sampling_kwargs,
     vllm_weight_name,
+)
+from actloop.rollout.vllm_server import (
+    StaleServerError,
+    VLLMServerEngine,
+    completions_request,
+    parse_completions,
+    rendezvous_address,
     weight_update_info,
 )
 

@@ -25,7 +25,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs v
 from actloop.config import load_config  # noqa: E402
 from actloop.rollout.engine import SamplingParams  # noqa: E402
 from actloop.rollout.renderer import Renderer  # noqa: E402
-from actloop.rollout.vllm_engine import WORKER_EXTENSION, StaleServerError, VLLMServerEngine  # noqa: E402
+from actloop.rollout.vllm_engine import WORKER_EXTENSION  # noqa: E402
+from actloop.rollout.vllm_server import StaleServerError, VLLMServerEngine  # noqa: E402
 from actloop.types import Message  # noqa: E402
 from fixtures.logprob_gap import logprob_gaps  # noqa: E402
 
