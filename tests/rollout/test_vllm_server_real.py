@@ -88,22 +88,38 @@ def _probe(renderer):
     return renderer.prompt_ids([Message("user", "Name a colour and say why you like it.")])
 
 
+ANSWER = "Blue, because it reminds me of the sea on a calm summer morning."
+
+
+def _answer_logprobs(engine, probe, answer):
+    """The server's log-probs of a fixed answer after the probe (vLLM's `prompt_logprobs`): any weight
+    change moves them, where a greedy reply of a few tokens may not change under a small update."""
+    ids = list(probe) + list(answer)
+    r = engine._post("/v1/completions", {"model": engine.model, "prompt": ids, "max_tokens": 1,
+                                         "temperature": 0, "prompt_logprobs": 0})
+    rows = r["choices"][0]["prompt_logprobs"][len(probe):]
+    return tuple(next(v["logprob"] for k, v in row.items() if k.removeprefix("token_id:") == str(t))
+                 for row, t in zip(rows, answer))
+
+
 REWARD = ("def varied(prompts, completions, **kwargs):\n"
           "    return [len(set(c)) / 100 + i / 10 for i, c in enumerate(completions)]\n")
 
 
 def _train_against(server, tmp_path, monkeypatch, renderer, name, extra):
     """3 GRPO steps with rollout.engine=vllm-server; after every sync, the server's greedy answer to a
-    fixed prompt (recorded from outside: the trainer has no test hook)."""
+    fixed prompt and its log-probs of a fixed answer (recorded from outside: the trainer has no test hook)."""
     from actloop.train.trainer import train
 
     probe, seen = _probe(renderer), []
+    answer = renderer.tokenizer.encode(ANSWER, add_special_tokens=False)
     original = VLLMServerEngine.sync_weights
 
     def sync_and_probe(self, model):
         original(self, model)
         out = self.generate([probe], SamplingParams(max_new_tokens=24, greedy=True))[0].token_ids
-        seen.append((self.version, self.version_string() if self.sync == "path" else self.model, out))
+        seen.append((self.version, self.version_string() if self.sync == "path" else self.model,
+                     (out, _answer_logprobs(self, probe, answer))))
 
     monkeypatch.setattr(VLLMServerEngine, "sync_weights", sync_and_probe)
     engines = []
@@ -112,7 +128,8 @@ def _train_against(server, tmp_path, monkeypatch, renderer, name, extra):
     def init(self, *a, **kw):
         original_init(self, *a, **kw)
         engines.append(self)
-        seen.append((0, None, self.generate([probe], SamplingParams(max_new_tokens=24, greedy=True))[0].token_ids))
+        out = self.generate([probe], SamplingParams(max_new_tokens=24, greedy=True))[0].token_ids
+        seen.append((0, None, (out, _answer_logprobs(self, probe, answer))))
 
     monkeypatch.setattr(VLLMServerEngine, "__init__", init)
     rows, reward = tmp_path / "rows.jsonl", tmp_path / "rew.py"
@@ -131,6 +148,11 @@ def _train_against(server, tmp_path, monkeypatch, renderer, name, extra):
     return engines[0], seen, lines
 
 
+def _moved(a, b) -> bool:
+    """Two probes' log-probs of the fixed answer differ by more than the server's rounding."""
+    return len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) > 1e-3
+
+
 def _restore_base(engine, model_dir):
     """The server's base weights and version back, as the next test expects to find it."""
     engine._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
@@ -144,8 +166,8 @@ def test_full_weights_without_nccl_change_the_servers_greedy_output_after_every_
                                          ["train.lr=1e-4", "rollout.vllm_server_sync=auto"])
     assert engine.sync == "path"  # auto without CUDA
     assert [v for v, _, _ in seen] == [0, 1, 2, 3]
-    outputs = [o for _, _, o in seen]
-    assert all(a != b for a, b in zip(outputs, outputs[1:])), outputs  # every sync changed what the server samples
+    outputs, logprobs = [o for _, _, (o, _) in seen], [lp for _, _, (_, lp) in seen]
+    assert all(_moved(a, b) for a, b in zip(logprobs, logprobs[1:])), logprobs  # every sync changed the server's model
     assert _get(server + "/weight_info")["weight_version"] == engine.version_string() == seen[-1][1]
     assert [p.name for p in (tmp_path / "vllm-weights").iterdir()] == ["v3"]  # only the newest kept
     print(json.dumps({"greedy": [list(o[:8]) for o in outputs], "sync_s": [r["sync_s"] for r in lines]}))
@@ -199,8 +221,8 @@ def test_lora_adapters_at_run_time_change_the_servers_greedy_output(server, tmp_
     engine, seen, lines = _train_against(server, tmp_path, monkeypatch, renderer, "lora",
                                          ["lora.enabled=true", "lora.r=8", "train.lr=2e-3"])
     assert engine.sync == "lora" and [name for _, name, _ in seen] == [None, "actloop-v1", "actloop-v2", "actloop-v3"]
-    outputs = [o for _, _, o in seen]
-    assert all(a != b for a, b in zip(outputs, outputs[1:])), outputs
+    outputs, logprobs = [o for _, _, (o, _) in seen], [lp for _, _, (_, lp) in seen]
+    assert all(_moved(a, b) for a, b in zip(logprobs, logprobs[1:])), logprobs
     served = {m["id"] for m in _get(server + "/v1/models")["data"]}
     assert "actloop-v3" in served and not {"actloop-v1", "actloop-v2"} & served  # older versions unloaded
     engine._post("/v1/unload_lora_adapter", {"lora_name": "actloop-v3"})  # as a restarted server would be
