@@ -72,12 +72,7 @@ STARTED = b"\x00actloop-sandbox-started\x00"
 """Written to stderr by `_BOOT` right before the program starts; never shown to callers."""
 # One docker call that is not part of a run (info, image inspect, rm): never waits longer.
 CALL_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 10.0
-
-
-def start_timeout(limits: Limits) -> float:
-    """How long a container may take to start before the program's own timeout begins."""
-    return max(START_TIMEOUT_S, limits.timeout_s)
+START_TIMEOUT_S = 10.0  # a container's start, at least (`start_timeout`)
 STALE_GRACE_S = 60.0
 
 # Reads "<n>\n" + n bytes of JSON {"files": [[path, b64]], "init": src, "env": {...}} from fd 0 without
@@ -191,6 +186,11 @@ def _remove_in_background(docker: str, name: str) -> None:
             p.wait()
 
     threading.Thread(target=reap, name="actloop-docker-rm", daemon=True).start()
+
+
+def start_timeout(limits: Limits) -> float:
+    """How long a container may take to start before the program's own timeout begins."""
+    return max(START_TIMEOUT_S, limits.timeout_s)
 
 
 def remove_stale(docker: str = "docker", grace_s: float = STALE_GRACE_S) -> int:

@@ -80,7 +80,7 @@ def test_capped_buffer_keeps_head_and_tail() -> None:
 
 
 def _collect_after_a_slow_start(start_s: float, run_s: float, limits: Limits,
-                                start_timeout_s: float) -> object:
+                                start_timeout_s: float) -> _proc.Collected:
     """A process that starts slowly (as a container on a loaded box), marks its start on stderr,
     then runs `run_s`: what `collect` makes of it with a start marker."""
     code = (f"import os,time\ntime.sleep({start_s})\nos.write(2, b'<started>')\n"
@@ -94,14 +94,14 @@ def _collect_after_a_slow_start(start_s: float, run_s: float, limits: Limits,
 def test_the_programs_timeout_counts_from_its_start_marker_not_from_a_slow_start() -> None:
     # 1.5 s of start + 0.3 s of program under a 1 s timeout: the program is within its time
     c = _collect_after_a_slow_start(1.5, 0.3, Limits(timeout_s=1.0), start_timeout_s=30)
-    assert not c.timed_out and c.exit_code == 0 and c.stdout.text("stdout") == "done\n"  # type: ignore[attr-defined]
-    assert 0.25 < c.duration_s < 1.0, c.duration_s  # type: ignore[attr-defined]  # the program's own time
+    assert not c.timed_out and c.exit_code == 0 and c.stdout.text("stdout") == "done\n"
+    assert 0.25 < c.duration_s < 1.0, c.duration_s  # the program's own time
     # the same program over its time is still stopped, a timeout from its start
     c = _collect_after_a_slow_start(0.5, 5.0, Limits(timeout_s=1.0), start_timeout_s=30)
-    assert c.timed_out and 0.9 < c.duration_s < 3.0, c.duration_s  # type: ignore[attr-defined]
+    assert c.timed_out and 0.9 < c.duration_s < 3.0, c.duration_s
     # a start that never ends is bounded by the start timeout, the marker never seen
     c = _collect_after_a_slow_start(10.0, 0.1, Limits(timeout_s=5.0), start_timeout_s=1.0)
-    assert c.timed_out and b"<started>" not in c.stderr.head  # type: ignore[attr-defined]
+    assert c.timed_out and b"<started>" not in c.stderr.head
 
 
 # ------------------------------------------------------------------------------ runs
@@ -758,7 +758,6 @@ def test_doctor_says_why_bwrap_falls_back_for_an_unreachable_interpreter(monkeyp
 def test_bwrap_unreachable_interpreter_is_named(tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
     import tempfile
     from pathlib import Path
-
 
     outer = Path(tempfile.mkdtemp(prefix="actloop-interp-"))  # pytest's own tmp root is 0700
     outer.chmod(0o755)
